@@ -1,0 +1,1 @@
+"""accel: see README.md (lands with its own issue)."""

@@ -1,0 +1,1 @@
+"""ecar: see README.md (lands with its own issue)."""

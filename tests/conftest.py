@@ -1,0 +1,25 @@
+"""Shared tiny VAR + VQVAE fixtures (CPU, float32)."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from var_models.var import VARConfig, init_params
+from var_models.vqvae import VQVAE, VQVAEConfig
+
+TINY_PATCH_NUMS = (1, 2, 3, 4)
+
+
+@pytest.fixture(scope='session')
+def tiny_var():
+  """(var_cfg, vq_cfg, params) of a 2-block VAR on 4 scales with a 64-code VQVAE."""
+  var_cfg = VARConfig(depth=2, width=64, num_heads=2, vocab_size=64, cvae=8, num_classes=10,
+                      patch_nums=TINY_PATCH_NUMS)
+  vq_cfg = VQVAEConfig(vocab_size=64, z_channels=8, ch=32, ch_mult=(1, 2), num_res_blocks=1,
+                       patch_nums=TINY_PATCH_NUMS)
+  img = jnp.zeros((1, vq_cfg.image_size, vq_cfg.image_size, 3), jnp.float32)
+  params = {'var': init_params(var_cfg, jax.random.key(0)),
+            'vqvae': VQVAE(vq_cfg).init(jax.random.key(1), img)['params']}
+  # Larger random weights than the official init so logits are far from uniform.
+  params['var'] = jax.tree_util.tree_map(
+      lambda p: p + 0.05 * jax.random.normal(jax.random.key(p.size), p.shape), params['var'])
+  return var_cfg, vq_cfg, params

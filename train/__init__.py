@@ -1,0 +1,1 @@
+"""The training and sampling programs (`python -m train`, `python -m train.sample`)."""

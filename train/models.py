@@ -1,0 +1,58 @@
+"""From an ml_collections config to model configs and parameters, validated key by key."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from var_models import attention as attn_lib
+from var_models import checkpoint
+from var_models.var import VARConfig, init_params
+from var_models.vqvae import VQVAE, VQVAEConfig
+
+_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+
+
+def compute_dtype(config) -> Any:
+  if config.dtype not in _DTYPES:
+    raise ValueError(f'config.dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}')
+  return _DTYPES[config.dtype]
+
+
+def var_configs(config) -> tuple[VARConfig, VQVAEConfig]:
+  """(VARConfig, VQVAEConfig) from a configs/var.py config; errors name the config key."""
+  dtype = compute_dtype(config)
+  if config.attn_backend not in attn_lib.backends():
+    raise ValueError(f'config.attn_backend must be one of {attn_lib.backends()}, got {config.attn_backend!r}')
+  pns = tuple(int(p) for p in config.patch_nums)
+  m, q = config.model, config.vqvae
+  try:
+    vq_cfg = VQVAEConfig(vocab_size=q.vocab_size, z_channels=q.z_channels, ch=q.ch,
+                         ch_mult=tuple(q.ch_mult), num_res_blocks=q.num_res_blocks, beta=q.beta,
+                         quant_resi=q.quant_resi, share_quant_resi=q.share_quant_resi,
+                         patch_nums=pns, dtype=dtype)
+    var_cfg = VARConfig(depth=m.depth, width=m.width, num_heads=m.num_heads, mlp_ratio=m.mlp_ratio,
+                        num_classes=config.num_classes, vocab_size=q.vocab_size, cvae=q.z_channels,
+                        patch_nums=pns, shared_aln=m.shared_aln, attn_l2_norm=m.attn_l2_norm,
+                        norm_eps=m.norm_eps, drop_rate=m.drop_rate, drop_path_rate=m.drop_path_rate,
+                        cond_drop_rate=m.cond_drop_rate, attn_backend=config.attn_backend, dtype=dtype)
+  except ValueError as e:
+    raise ValueError(f'bad config.model / config.vqvae: {e}') from e
+  if config.image_size != vq_cfg.image_size:
+    raise ValueError(f'config.image_size={config.image_size} does not match config.patch_nums '
+                     f'{pns} (last scale {pns[-1]} x downsample {vq_cfg.downsample} = {vq_cfg.image_size})')
+  return var_cfg, vq_cfg
+
+
+def init_var_params(var_cfg: VARConfig, vq_cfg: VQVAEConfig, key) -> dict:
+  """Random {'var', 'vqvae'} params (official init for VAR)."""
+  k1, k2 = jax.random.split(key)
+  img = jnp.zeros((1, vq_cfg.image_size, vq_cfg.image_size, 3), jnp.float32)
+  return {'var': init_params(var_cfg, k1), 'vqvae': VQVAE(vq_cfg).init(k2, img)['params']}
+
+
+def load_var_params(var_cfg: VARConfig, vq_cfg: VQVAEConfig, directory: Optional[str]) -> dict:
+  """Params from a checkpoint directory written by `python -m var_models.convert var` or training."""
+  abstract = jax.eval_shape(lambda k: init_var_params(var_cfg, vq_cfg, k), jax.random.key(0))
+  return checkpoint.load_params(directory, abstract)

@@ -1,0 +1,142 @@
+"""The one attention entry point of every model, and its KV cache.
+
+Models call `attention(q, k, v, mask=..., backend=...)`; the backend is a
+config string, so kernels plug in (`register_backend`) without touching a model.
+Masks are descriptions, not dense arrays, so a backend can exploit structure:
+  None                  -- every query sees every key;
+  ScaleCausal(lq, lk)   -- query i sees key j iff level(i) >= level(j): causal
+                           across scales, bidirectional inside one;
+  TokenMask(mask)       -- an explicit boolean mask broadcastable to [B, H, Lq, Lk].
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Union
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScaleCausal:
+  """Per-token scale levels of the queries [Lq] and keys [Lk] (static NumPy)."""
+  q_levels: np.ndarray
+  k_levels: np.ndarray
+
+  def dense(self) -> np.ndarray:
+    """[1, 1, Lq, Lk] bool."""
+    return (np.asarray(self.q_levels)[:, None] >= np.asarray(self.k_levels)[None, :])[None, None]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenMask:
+  """Boolean mask (True = attend) broadcastable to [B, H, Lq, Lk]."""
+  mask: Union[jax.Array, np.ndarray]
+
+  def dense(self):
+    return self.mask
+
+
+Mask = Optional[Union[ScaleCausal, TokenMask]]
+Backend = Callable[..., jax.Array]
+
+
+def _check(q, k, v, mask) -> None:
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f'attention expects [B, L, H, D] q, k, v; got {q.shape}, {k.shape}, {v.shape}')
+  if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+    raise ValueError(f'attention shapes disagree: q {q.shape}, k {k.shape}, v {v.shape}')
+  if isinstance(mask, ScaleCausal):
+    if (len(mask.q_levels), len(mask.k_levels)) != (q.shape[1], k.shape[1]):
+      raise ValueError(f'ScaleCausal levels ({len(mask.q_levels)}, {len(mask.k_levels)}) do not '
+                       f'match Lq={q.shape[1]}, Lk={k.shape[1]}')
+
+
+def _dense_backend(implementation: Optional[str]) -> Backend:
+  def run(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
+    dense = None if mask is None else jnp.asarray(mask.dense())
+    lengths = None if kv_len is None else jnp.full((q.shape[0],), kv_len, jnp.int32)
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=dense, scale=scale, key_value_seq_lengths=lengths,
+        implementation=implementation)
+  return run
+
+
+_BACKENDS: dict[str, Backend] = {
+    'xla': _dense_backend('xla'),
+    'cudnn': _dense_backend('cudnn'),
+}
+
+
+def register_backend(name: str, fn: Backend) -> None:
+  """Adds a backend `fn(q, k, v, mask, scale, kv_len) -> out` under `name`."""
+  _BACKENDS[name] = fn
+
+
+def backends() -> tuple[str, ...]:
+  return tuple(sorted(_BACKENDS))
+
+
+def check_backend(name: str) -> None:
+  if name not in _BACKENDS:
+    raise ValueError(f'unknown attention backend {name!r}; known: {backends()}')
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: Mask = None,
+              scale: Optional[float] = None, backend: str = 'xla',
+              kv_len: Optional[int] = None) -> jax.Array:
+  """Softmax attention. q [B, Lq, H, D], k and v [B, Lk, H, D] -> [B, Lq, H, D].
+
+  `scale` multiplies q.k (default 1/sqrt(D)); softmax runs in float32.
+  `kv_len` (static) uses only the first kv_len keys: a KV cache is read in
+  place rather than copied out as a prefix.
+  """
+  check_backend(backend)
+  _check(q, k, v, mask)
+  if kv_len is not None and not 0 < kv_len <= k.shape[1]:
+    raise ValueError(f'kv_len must be in (0, {k.shape[1]}], got {kv_len}')
+  if mask is not None and kv_len is not None:
+    raise ValueError('attention takes a mask or a kv_len, not both: slice the keys instead')
+  if scale is None:
+    scale = 1.0 / float(np.sqrt(q.shape[-1]))
+  if kv_len == k.shape[1]:
+    kv_len = None
+  return _BACKENDS[backend](q, k, v, mask, scale, kv_len)
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Preallocated keys/values [B, capacity, H, D]; `length` is static.
+
+  `append` writes at a static offset, so under jit every scale's attention reads
+  a static prefix and the cache lives in one buffer across the scale loop.
+  """
+  k: jax.Array
+  v: jax.Array
+  length: int = flax.struct.field(pytree_node=False, default=0)
+
+  @classmethod
+  def create(cls, batch: int, capacity: int, heads: int, head_dim: int, dtype) -> 'KVCache':
+    shape = (batch, capacity, heads, head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), 0)
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[1]
+
+  def append(self, k: jax.Array, v: jax.Array) -> 'KVCache':
+    """Appends k, v [B, l, H, D]; returns the new cache."""
+    end = self.length + k.shape[1]
+    if end > self.capacity:
+      raise ValueError(f'KV cache overflow: {self.length} + {k.shape[1]} > capacity {self.capacity}')
+    k_all = self.k.at[:, self.length:end].set(k.astype(self.k.dtype))
+    v_all = self.v.at[:, self.length:end].set(v.astype(self.v.dtype))
+    return KVCache(k_all, v_all, end)
+
+  def keys(self) -> jax.Array:
+    return self.k[:, :self.length]
+
+  def values(self) -> jax.Array:
+    return self.v[:, :self.length]

@@ -1,0 +1,219 @@
+"""Transformer building blocks shared by the next-scale models.
+
+`AdaLNSelfAttn` is VAR's block. Its two residual branches go through
+`_residual`, the hook point where a sampling policy may forward only a subset
+of tokens and restore the rest (FastVAR); with no hooks it is the plain block.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from var_models import attention as attn_lib
+from var_models import tokens as tok
+
+Array = jax.Array
+
+
+def trunc_normal(std: float, bound: float = 2.0) -> Callable:
+  """torch.nn.init.trunc_normal_(std=std): normal truncated at +-`bound` absolute."""
+  def init(key, shape, dtype=jnp.float32):
+    return std * jax.random.truncated_normal(key, -bound / std, bound / std, shape, dtype)
+  return init
+
+
+def scaled(init: Callable, factor: float) -> Callable:
+  def scaled_init(key, shape, dtype=jnp.float32):
+    return init(key, shape, dtype) * factor
+  return scaled_init
+
+
+def l2_normalize(x: Array, eps: float = 1e-12) -> Array:
+  """torch.nn.functional.normalize(x, dim=-1), computed in float32."""
+  x32 = x.astype(jnp.float32)
+  norm = jnp.sqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True))
+  return x32 / jnp.maximum(norm, eps)
+
+
+def drop_path(x: Array, rate: float, deterministic: bool, module: nn.Module) -> Array:
+  """Stochastic depth per sample, scaled by 1/keep (timm)."""
+  if deterministic or rate == 0.0:
+    return x
+  keep = 1.0 - rate
+  mask = jax.random.bernoulli(module.make_rng('dropout'), keep, (x.shape[0],) + (1,) * (x.ndim - 1))
+  return jnp.where(mask, x / keep, 0).astype(x.dtype)
+
+
+class SelfAttention(nn.Module):
+  """VAR attention: qkv without bias plus learned q and v biases, optional L2-normalised
+  q/k with a learned per-head temperature. x [B, l, C] -> [B, l, C]."""
+  width: int
+  num_heads: int
+  attn_l2_norm: bool
+  proj_init: Callable
+  dense_init: Callable
+  dropout: float = 0.0
+  backend: str = 'xla'
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    c = self.width
+    self.mat_qkv = nn.Dense(3 * c, use_bias=False, kernel_init=self.dense_init, dtype=self.dtype)
+    self.q_bias = self.param('q_bias', nn.initializers.zeros, (c,))
+    self.v_bias = self.param('v_bias', nn.initializers.zeros, (c,))
+    if self.attn_l2_norm:
+      self.scale_mul = self.param('scale_mul', nn.initializers.constant(math.log(4.0)), (self.num_heads,))
+    self.proj = nn.Dense(c, kernel_init=self.proj_init, dtype=self.dtype)
+    self.drop = nn.Dropout(self.dropout)
+
+  def __call__(self, x: Array, *, mask: attn_lib.Mask = None, kv: Optional[attn_lib.KVCache] = None,
+               deterministic: bool = True):
+    """Returns (out [B, l, C], kv); with a cache, this call's k and v are appended first."""
+    b, l, c = x.shape
+    h, d = self.num_heads, c // self.num_heads
+    bias = jnp.concatenate([self.q_bias, jnp.zeros_like(self.q_bias), self.v_bias]).astype(self.dtype)
+    q, k, v = jnp.split((self.mat_qkv(x) + bias).reshape(b, l, 3 * h, d), 3, axis=2)
+    if self.attn_l2_norm:
+      temp = jnp.exp(jnp.minimum(self.scale_mul, math.log(100.0)))[:, None]
+      q = (l2_normalize(q) * temp).astype(self.dtype)
+      k = l2_normalize(k).astype(self.dtype)
+      scale = 1.0
+    else:
+      scale = 0.25 / math.sqrt(d)
+    kv_len = None
+    if kv is not None:
+      kv = kv.append(k, v)
+      # Unmasked steps read the cache buffer in place; a mask needs the exact key set.
+      if mask is None:
+        k, v, kv_len = kv.k, kv.v, kv.length
+      else:
+        k, v = kv.keys(), kv.values()
+    out = attn_lib.attention(q, k, v, mask=mask, scale=scale, backend=self.backend, kv_len=kv_len)
+    return self.drop(self.proj(out.reshape(b, l, c)), deterministic=deterministic), kv
+
+
+class FFN(nn.Module):
+  """fc1 -> tanh-approximate GELU -> fc2. [B, l, C] -> [B, l, C]."""
+  width: int
+  hidden: int
+  proj_init: Callable
+  dense_init: Callable
+  dropout: float = 0.0
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, deterministic: bool = True) -> Array:
+    x = nn.Dense(self.hidden, kernel_init=self.dense_init, dtype=self.dtype, name='fc1')(x)
+    x = nn.gelu(x, approximate=True)
+    x = nn.Dense(self.width, kernel_init=self.proj_init, dtype=self.dtype, name='fc2')(x)
+    return nn.Dropout(self.dropout)(x, deterministic=deterministic)
+
+
+def layer_norm(eps: float, dtype) -> nn.LayerNorm:
+  return nn.LayerNorm(epsilon=eps, use_scale=False, use_bias=False, dtype=dtype)
+
+
+def modulate(x: Array, scale: Array, shift: Array) -> Array:
+  return x * (1 + scale) + shift
+
+
+class AdaLNSelfAttn(nn.Module):
+  """VAR's AdaLN block. x [B, l, C], cond [B, D] (or [B, 6, C] with shared AdaLN).
+
+  The six modulation vectors come, in this order, as gamma1, gamma2, scale1,
+  scale2, shift1, shift2 (the official chunk order, which the converter relies on).
+  """
+  width: int
+  num_heads: int
+  mlp_ratio: float
+  norm_eps: float
+  attn_l2_norm: bool
+  shared_aln: bool
+  drop_path_rate: float
+  dense_init: Callable
+  proj_init: Callable
+  ada_init: Callable
+  dropout: float = 0.0
+  backend: str = 'xla'
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    c = self.width
+    self.attn = SelfAttention(c, self.num_heads, self.attn_l2_norm, self.proj_init, self.dense_init,
+                              self.dropout, self.backend, self.dtype)
+    self.ffn = FFN(c, round(c * self.mlp_ratio), self.proj_init, self.dense_init, self.dropout, self.dtype)
+    self.ln = layer_norm(self.norm_eps, self.dtype)
+    if self.shared_aln:
+      self.ada_gss = self.param('ada_gss', self.ada_init, (6, c))
+    else:
+      self.ada_lin = nn.Dense(6 * c, kernel_init=self.ada_init, dtype=self.dtype)
+
+  def modulation(self, cond: Array) -> Array:
+    """[B, 6, C]: gamma1, gamma2, scale1, scale2, shift1, shift2, from the block condition
+    (cond [B, D], or the shared [B, 6, C]). Constant over a sample's scales, so samplers
+    compute it once."""
+    if self.shared_aln:
+      return (self.ada_gss + cond).astype(self.dtype)
+    return self.ada_lin(nn.silu(cond)).reshape(cond.shape[0], 6, self.width)
+
+  def __call__(self, x: Array, mod: Array, *, mask: attn_lib.Mask = None,
+               kv: Optional[attn_lib.KVCache] = None, hooks: Optional['BlockHooks'] = None,
+               state: Any = None, deterministic: bool = True):
+    """x [B, l, C], mod [B, 6, C] from `modulation`. Returns (x, kv, state).
+
+    `hooks` (from a sampling policy) may select tokens before each branch and
+    restore the others after it, carrying `state`.
+    """
+    g1, g2, s1, s2, b1, b2 = [m[:, None] for m in jnp.moveaxis(mod.astype(self.dtype), 1, 0)]
+
+    def attn_branch(h):
+      out, new_kv = self.attn(modulate(self.ln(h), s1, b1), mask=mask, kv=kv, deterministic=deterministic)
+      return out * g1, new_kv
+
+    def ffn_branch(h):
+      return self.ffn(modulate(self.ln(h), s2, b2), deterministic) * g2, None
+
+    x, new_kv, state = self._residual(x, attn_branch, 'attn', hooks, state, deterministic)
+    x, _, state = self._residual(x, ffn_branch, 'ffn', hooks, state, deterministic)
+    return x, new_kv, state
+
+  def _residual(self, x, branch, site, hooks, state, deterministic):
+    if hooks is None:
+      y, aux = branch(x)
+    else:
+      idx, state = hooks.select(site, x, state)
+      y, aux = branch(x if idx is None else tok.gather(x, idx))
+      y, state = hooks.restore(site, y, idx, x, state)
+    return x + drop_path(y, self.drop_path_rate, deterministic, self), aux, state
+
+
+class AdaLNBeforeHead(nn.Module):
+  """LayerNorm modulated by SiLU -> Linear(D, 2C) of the condition (scale, shift)."""
+  width: int
+  norm_eps: float
+  ada_init: Callable
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, cond: Array) -> Array:
+    ss = nn.Dense(2 * self.width, kernel_init=self.ada_init, dtype=self.dtype, name='ada_lin')(nn.silu(cond))
+    scale, shift = ss.reshape(cond.shape[0], 2, self.width)[:, :, None].swapaxes(0, 1)
+    return modulate(layer_norm(self.norm_eps, self.dtype)(x), scale, shift)
+
+
+class BlockHooks:
+  """Per-block policy hooks (see var_models.policy). The base forwards everything."""
+
+  def select(self, site: str, x: Array, state: Any):
+    """Indices [B, k] of the tokens of x [B, l, C] to forward before `site`, or None."""
+    return None, state
+
+  def restore(self, site: str, y: Array, idx: Optional[Array], x: Array, state: Any):
+    """The branch output for all l tokens from y [B, k, C] of the forwarded ones."""
+    if idx is None:
+      return y, state
+    return tok.scatter(jnp.zeros_like(x, dtype=y.dtype), idx, y), state

@@ -1,0 +1,64 @@
+"""Parameter checkpoints on disk: an orbax tree plus a small JSON of metadata.
+
+Restoring against an abstract tree (shapes from `jax.eval_shape` of the model's
+init) turns any structure or shape mismatch into an error naming the parameter.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+_META = 'meta.json'
+_PARAMS = 'params'
+
+
+def save_params(directory: str, params: Any, meta: Optional[dict] = None) -> None:
+  directory = os.path.abspath(directory)
+  os.makedirs(directory, exist_ok=True)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.join(directory, _PARAMS), params, force=True)
+  with open(os.path.join(directory, _META), 'w') as f:
+    json.dump(meta or {}, f, indent=2, sort_keys=True)
+
+
+def load_meta(directory: str) -> dict:
+  path = os.path.join(os.path.abspath(directory), _META)
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
+def _paths(tree) -> dict[str, tuple]:
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {jax.tree_util.keystr(p): tuple(np.shape(x)) for p, x in flat}
+
+
+def check_tree(expected, got, what: str = 'checkpoint') -> None:
+  """Raises ValueError naming the first missing, unexpected or mis-shaped parameter."""
+  exp, have = _paths(expected), _paths(got)
+  for k in sorted(exp.keys() - have.keys()):
+    raise ValueError(f'{what} is missing parameter {k} (expected shape {exp[k]})')
+  for k in sorted(have.keys() - exp.keys()):
+    raise ValueError(f'{what} has unexpected parameter {k} with shape {have[k]}')
+  for k in sorted(exp):
+    if exp[k] != have[k]:
+      raise ValueError(f'{what} parameter {k} has shape {have[k]}, expected {exp[k]}')
+
+
+def load_params(directory: str, abstract: Any) -> Any:
+  """Restores params laid out like `abstract` (arrays or ShapeDtypeStructs)."""
+  path = os.path.join(os.path.abspath(directory), _PARAMS)
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f'no parameter checkpoint at {path}')
+  with ocp.StandardCheckpointer() as ckptr:
+    stored = ckptr.metadata(path)
+    stored = getattr(stored, 'item_metadata', stored)
+    check_tree(abstract, stored, f'checkpoint {directory}')
+    target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
+    return ckptr.restore(path, target)

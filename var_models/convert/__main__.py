@@ -1,0 +1,76 @@
+"""Converts official checkpoints into an orbax checkpoint directory; see the package docstring."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from var_models import checkpoint
+from var_models.convert.common import strip_prefix
+from var_models.convert.var import convert_var, infer_var_depth
+from var_models.convert.vqvae import convert_vqvae
+from var_models.var import VARConfig
+from var_models.vqvae import VQVAEConfig
+
+
+def load_state_dict(path: str) -> dict[str, np.ndarray]:
+  """A state dict as NumPy arrays from .pth/.pt (PyTorch), .npz or .safetensors."""
+  if path.endswith('.npz'):
+    with np.load(path) as f:
+      return strip_prefix({k: f[k] for k in f.files}, 'module.')
+  if path.endswith('.safetensors'):
+    from safetensors.numpy import load_file
+    return strip_prefix(load_file(path), 'module.')
+  return _load_torch(path)
+
+
+def _load_torch(path: str) -> dict[str, np.ndarray]:
+  try:
+    import torch
+  except ImportError as e:
+    raise SystemExit('reading .pth files needs PyTorch: pip install "ecar-jax[convert]"') from e
+  sd = torch.load(path, map_location='cpu', weights_only=True)
+  for wrapper in ('state_dict', 'model', 'trainer'):
+    if isinstance(sd, dict) and wrapper in sd and isinstance(sd[wrapper], dict):
+      sd = sd[wrapper]
+  out = {}
+  for k, v in sd.items():
+    if not hasattr(v, 'numpy'):
+      raise ValueError(f'{path}: entry {k!r} is a {type(v).__name__}, not a tensor')
+    out[k] = (v.float() if v.is_floating_point() else v).numpy()
+  return strip_prefix(out, 'module.')
+
+
+def convert_var_files(vae_path: str, var_path: str, depth: int, out: str,
+                      var_cfg: VARConfig | None = None, vq_cfg: VQVAEConfig | None = None) -> None:
+  """Official files -> checkpoint at `out`; configs default to the official 256 px models."""
+  var_sd = load_state_dict(var_path)
+  found = infer_var_depth(var_sd)
+  if found != depth:
+    raise ValueError(f'--depth {depth} but {var_path} holds a VAR of depth {found}')
+  vq_cfg = vq_cfg or VQVAEConfig()
+  var_cfg = var_cfg or VARConfig(depth=depth)
+  params = {'vqvae': convert_vqvae(load_state_dict(vae_path), vq_cfg),
+            'var': convert_var(var_sd, var_cfg)}
+  checkpoint.save_params(out, params, {'family': 'var', 'depth': depth, 'vae': vae_path, 'var': var_path})
+  print(f'wrote VAR d{depth} + VQVAE params to {out}')
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(prog='python -m var_models.convert', description=__doc__)
+  sub = parser.add_subparsers(dest='family', required=True)
+  v = sub.add_parser('var', help='VQVAE (vae_ch160v4096z32.pth) + VAR (var_dN.pth)')
+  v.add_argument('--vae', required=True, help='vae_ch160v4096z32.pth (or .npz / .safetensors)')
+  v.add_argument('--var', required=True, help='var_d16.pth ... var_d30.pth')
+  v.add_argument('--depth', type=int, required=True, choices=(16, 20, 24, 30))
+  v.add_argument('--out', required=True, help='output checkpoint directory')
+  args = parser.parse_args(argv)
+  try:
+    convert_var_files(args.vae, args.var, args.depth, args.out)
+  except ValueError as e:
+    sys.exit(f'error: {e}')
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,210 @@
+"""VAR's class-conditional sampler (the official `autoregressive_infer_cfg`), compiled whole.
+
+    sample = make_sampler(var_cfg, vq_cfg)                # optionally: policy=...
+    images, aux = sample(params, key, labels, cfg=1.5, top_k=900, top_p=0.96)
+
+`params = {'var': ..., 'vqvae': ...}`; images [B, H, W, 3] in [0, 1]; aux holds
+the per-scale token maps ('indices', -1 where a policy forwarded nothing) and,
+if asked, the per-scale f_hat and CFG-combined logits. The batch is doubled for
+CFG (conditional, then the unconditional label), each attention layer keeps a
+KV cache, and guidance at scale k is t = cfg * k / (K - 1): logits = (1 + t) *
+cond - t * uncond, sampled by top-k, then top-p, then a categorical draw.
+Arguments are checked before anything compiles.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from var_models import tokens as tok
+from var_models.attention import KVCache
+from var_models.policy import BASELINE, ScalePolicy, Step, check_plan
+from var_models.resample import area_resize
+from var_models.var import VAR, VARConfig
+from var_models.vqvae import VQVAE, VQVAEConfig
+
+Array = jax.Array
+
+
+def sample_top_k_top_p(key: Array, logits: Array, top_k: int, top_p: float) -> Array:
+  """Draws token ids [...] from logits [..., V] restricted to the top k, then the top-p nucleus.
+
+  The official rule: keep the k largest logits; of those, drop the ascending-sorted
+  ones whose cumulative probability is <= 1 - p, always keeping the largest; draw
+  from the softmax of what is left. top_k 0 and top_p 1 disable a filter. Only the
+  sorted candidates are touched: one uniform per token picks from their CDF, so no
+  [..., V] permutation, scatter or Gumbel noise is materialised.
+  """
+  v = logits.shape[-1]
+  k = top_k if 0 < top_k < v else v
+  if k < v:
+    vals, ids = jax.lax.top_k(logits, k)
+  else:
+    ids = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), logits.shape)
+    neg, ids = jax.lax.sort((-logits, ids), dimension=logits.ndim - 1, num_keys=1)
+    vals = -neg
+  probs = jax.nn.softmax(vals, axis=-1)
+  if top_p < 1.0:
+    # Descending order: candidate j goes iff the mass of j and all smaller ones is <= 1 - p.
+    tail = jnp.flip(jnp.cumsum(jnp.flip(probs, -1), -1), -1)
+    keep = (tail > 1 - top_p).at[..., 0].set(True)
+    probs = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf), axis=-1)
+  cdf = jnp.cumsum(probs, axis=-1)
+  u = jax.random.uniform(key, logits.shape[:-1] + (1,), jnp.float32) * cdf[..., -1:]
+  j = jnp.minimum(jnp.sum(cdf <= u, axis=-1), k - 1)
+  return jnp.take_along_axis(ids, j[..., None], axis=-1)[..., 0].astype(jnp.int32)
+
+
+def check_sample_args(var_cfg: VARConfig, labels, cfg: float, top_k: int, top_p: float) -> None:
+  labels = np.asarray(labels)
+  if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer):
+    raise ValueError(f'labels must be a non-empty 1-D integer array, got shape {labels.shape} dtype {labels.dtype}')
+  bad = labels[(labels < 0) | (labels >= var_cfg.num_classes)]
+  if bad.size:
+    raise ValueError(f'labels must be in [0, {var_cfg.num_classes}), got {bad[:5].tolist()}')
+  if not np.isfinite(cfg) or cfg < 0:
+    raise ValueError(f'cfg must be >= 0, got {cfg}')
+  if not 0 <= top_k <= var_cfg.vocab_size:
+    raise ValueError(f'top_k must be in [0, {var_cfg.vocab_size}], got {top_k}')
+  if not 0 < top_p <= 1:
+    raise ValueError(f'top_p must be in (0, 1], got {top_p}')
+
+
+def check_configs(var_cfg: VARConfig, vq_cfg: VQVAEConfig) -> None:
+  if tuple(var_cfg.patch_nums) != tuple(vq_cfg.patch_nums):
+    raise ValueError(f'VAR patch_nums {var_cfg.patch_nums} != VQVAE patch_nums {vq_cfg.patch_nums}')
+  if (var_cfg.vocab_size, var_cfg.cvae) != (vq_cfg.vocab_size, vq_cfg.z_channels):
+    raise ValueError(f'VAR vocab/Cvae ({var_cfg.vocab_size}, {var_cfg.cvae}) != VQVAE '
+                     f'({vq_cfg.vocab_size}, {vq_cfg.z_channels})')
+
+
+def _step_inputs(model: VAR, vp, step: Step, cond2: Array, f_hat: Array) -> Array:
+  """Input tokens of the step's scales [2B, l, C]: scale 0 from the class, scale k from
+  f_hat area-downsampled to its size (the official next_token_map)."""
+  sched = model.cfg.schedule
+  parts = []
+  for si in step.scales:
+    if si == 0:
+      parts.append(model.apply(vp, cond2, method=VAR.first_tokens))
+      continue
+    pn = sched.patch_nums[si]
+    x = area_resize(f_hat, (pn, pn)).reshape(f_hat.shape[0], pn * pn, -1)
+    begin, end = sched.begin_ends[si]
+    parts.append(jnp.tile(model.apply(vp, x, begin, end, method=VAR.embed_tokens), (2, 1, 1)))
+  return jnp.concatenate(parts, axis=1)
+
+
+class _Sampler:
+  """Holds the static parts (models, schedule, policy); `__call__` is the public sampler."""
+
+  def __init__(self, var_cfg: VARConfig, vq_cfg: VQVAEConfig, policy: ScalePolicy,
+               return_fhats: bool, return_logits: bool):
+    check_configs(var_cfg, vq_cfg)
+    self.var_cfg, self.policy = var_cfg, policy
+    self.model, self.vq = VAR(var_cfg), VQVAE(vq_cfg)
+    self.sched = var_cfg.schedule
+    self.steps = policy.plan(self.sched)
+    check_plan(self.steps, self.sched)
+    self.return_fhats, self.return_logits = return_fhats, return_logits
+    self._jitted = jax.jit(self._sample, static_argnames=('top_k', 'top_p'))
+
+  def __call__(self, params, key: Array, labels, *, cfg: float = 1.5, top_k: int = 0,
+               top_p: float = 1.0):
+    check_sample_args(self.var_cfg, labels, cfg, top_k, top_p)
+    return self._jitted(params, key, jnp.asarray(labels, jnp.int32), jnp.float32(cfg),
+                        top_k=int(top_k), top_p=float(top_p))
+
+  def lower(self, params, key, labels, *, cfg=1.5, top_k=0, top_p=1.0):
+    """The lowered program (for compile-time and FLOP accounting)."""
+    return self._jitted.lower(params, key, jnp.asarray(labels, jnp.int32), jnp.float32(cfg),
+                              top_k=int(top_k), top_p=float(top_p))
+
+  def _sample(self, params, key, labels, cfg, *, top_k: int, top_p: float):
+    vc, sched, policy = self.var_cfg, self.sched, self.policy
+    vp, qp = {'params': params['var']}, {'params': params['vqvae']}
+    b = labels.shape[0]
+    cond2 = self.model.apply(vp, jnp.concatenate([labels, jnp.full_like(labels, vc.num_classes)]),
+                             method=VAR.cond_embed)
+    mods = self.model.apply(vp, cond2, method=VAR.modulations)
+    kvs = [KVCache.create(2 * b, sched.L, vc.num_heads, vc.head_dim, vc.dtype) for _ in range(vc.depth)]
+    f_hat = jnp.zeros((b, sched.final_hw, sched.final_hw, vc.cvae), jnp.float32)
+    state = policy.init_state(sched, 2 * b)
+    cached_levels = np.zeros((0,), np.int32)  # scale of each cached key, while no token is pruned
+    aux = {'indices': [], 'f_hats': [], 'logits': []}
+    for step_idx, step in enumerate(self.steps):
+      x = _step_inputs(self.model, vp, step, cond2, f_hat)
+      sel, state = policy.select_input(step_idx, step, x, state)
+      hooks = policy.block_hooks(step_idx, step, vc.depth)
+      mask, cached_levels = self._step_mask(step, cached_levels, sel, hooks)
+      h, kvs, state = self.model.apply(
+          vp, x if sel is None else tok.gather(x, sel), mods, mask=mask, kvs=kvs, hooks=hooks,
+          state=state, method=VAR.run_blocks)
+      logits = self.model.apply(vp, h, cond2, method=VAR.logits)
+      key, f_hat = self._sample_step(key, step, logits, sel, cfg, f_hat, qp, aux, top_k, top_p)
+    images = (self.vq.apply(qp, f_hat, method=VQVAE.fhat_to_img) + 1) * 0.5
+    aux = {k: v for k, v in aux.items() if v}
+    return images, aux
+
+  def _step_mask(self, step: Step, cached_levels, sel, hooks):
+    """(the policy's layout for the step, the cached keys' levels after it).
+
+    Levels stay static only while every token is forwarded, so a step of several
+    scales (which needs them for its scale-causal mask) cannot follow or do pruning.
+    """
+    pruned = sel is not None or hooks is not None
+    if len(step.scales) > 1 and (pruned or cached_levels is None):
+      raise ValueError(f'step {step} decodes several scales: no pruning may precede or join it')
+    levels = self.sched.level_ids()
+    q_levels = np.concatenate([levels[slice(*self.sched.begin_ends[si])] for si in step.scales])
+    if len(step.scales) == 1:
+      mask = None
+    else:
+      mask = self.policy.attn_mask(step, q_levels, np.concatenate([cached_levels, q_levels]))
+    return mask, (None if pruned or cached_levels is None else np.concatenate([cached_levels, q_levels]))
+
+  def _sample_step(self, key, step, logits, sel, cfg, f_hat, qp, aux, top_k, top_p):
+    """Guides, samples and adds the codes of every scale of the step to f_hat."""
+    sched, b = self.sched, f_hat.shape[0]
+    k_last = sched.num_scales - 1
+    logits_full = logits if sel is None else tok.scatter(
+        jnp.zeros((logits.shape[0], sum(sched.lengths[si] for si in step.scales), logits.shape[-1]),
+                  logits.dtype), sel, logits)
+    offset = 0
+    for si in step.scales:
+      n = sched.lengths[si]
+      lg = logits_full[:, offset:offset + n]
+      t = cfg * si / k_last
+      lg = (1 + t) * lg[:b] - t * lg[b:]
+      key, sub = jax.random.split(key)
+      idx = sample_top_k_top_p(sub, lg, top_k, top_p)
+      codes = self.vq.apply(qp, idx, method=VQVAE.embed)
+      if sel is not None:
+        kept = _kept_mask(sel[:b], offset, n)
+        idx = jnp.where(kept, idx, -1)
+        codes = jnp.where(kept[..., None], codes, 0.0)
+      pn = sched.patch_nums[si]
+      f_hat, _ = self.vq.apply(qp, si, f_hat, codes.reshape(b, pn, pn, -1), method=VQVAE.next_ar_input)
+      aux['indices'].append(idx)
+      if self.return_fhats:
+        aux['f_hats'].append(f_hat)
+      if self.return_logits:
+        aux['logits'].append(lg)
+      offset += n
+    return key, f_hat
+
+
+def _kept_mask(sel: Array, offset: int, n: int) -> Array:
+  """[B, n] bool: which tokens of the scale at [offset, offset + n) of the step were forwarded."""
+  local = sel - offset
+  hit = (local[..., None] == jnp.arange(n)) & (local[..., None] >= 0)
+  return hit.any(axis=1)
+
+
+def make_sampler(var_cfg: VARConfig, vq_cfg: VQVAEConfig, policy: Optional[ScalePolicy] = None, *,
+                 return_fhats: bool = False, return_logits: bool = False):
+  """A pure, jit-compiled sampler `sample(params, key, labels, *, cfg, top_k, top_p) -> (images, aux)`."""
+  return _Sampler(var_cfg, vq_cfg, policy or BASELINE, return_fhats, return_logits)
