@@ -113,6 +113,23 @@ class FFN(nn.Module):
     return nn.Dropout(self.dropout)(x, deterministic=deterministic)
 
 
+def residual(module: nn.Module, x: Array, branch: Callable, site: str, hooks: Optional['BlockHooks'],
+             state: Any, drop_path_rate: float, deterministic: bool):
+  """x + branch(x) through the policy hook point of a block's sub-layer `site`.
+
+  `branch(h) -> (y, aux)` runs the sub-layer (norm included) on the tokens h it is
+  given. With hooks, only the tokens `hooks.select` picks are forwarded and
+  `hooks.restore` fills in the others. Returns (x, aux, state).
+  """
+  if hooks is None:
+    y, aux = branch(x)
+  else:
+    idx, state = hooks.select(site, x, state)
+    y, aux = branch(x if idx is None else tok.gather(x, idx))
+    y, state = hooks.restore(site, y, idx, x, state)
+  return x + drop_path(y, drop_path_rate, deterministic, module), aux, state
+
+
 def layer_norm(eps: float, dtype) -> nn.LayerNorm:
   return nn.LayerNorm(epsilon=eps, use_scale=False, use_bias=False, dtype=dtype)
 
@@ -177,18 +194,9 @@ class AdaLNSelfAttn(nn.Module):
     def ffn_branch(h):
       return self.ffn(modulate(self.ln(h), s2, b2), deterministic) * g2, None
 
-    x, new_kv, state = self._residual(x, attn_branch, 'attn', hooks, state, deterministic)
-    x, _, state = self._residual(x, ffn_branch, 'ffn', hooks, state, deterministic)
+    x, new_kv, state = residual(self, x, attn_branch, 'attn', hooks, state, self.drop_path_rate, deterministic)
+    x, _, state = residual(self, x, ffn_branch, 'ffn', hooks, state, self.drop_path_rate, deterministic)
     return x, new_kv, state
-
-  def _residual(self, x, branch, site, hooks, state, deterministic):
-    if hooks is None:
-      y, aux = branch(x)
-    else:
-      idx, state = hooks.select(site, x, state)
-      y, aux = branch(x if idx is None else tok.gather(x, idx))
-      y, state = hooks.restore(site, y, idx, x, state)
-    return x + drop_path(y, self.drop_path_rate, deterministic, self), aux, state
 
 
 class AdaLNBeforeHead(nn.Module):
