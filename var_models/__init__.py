@@ -1,7 +1,7 @@
 """Shared blocks, tokenizers and next-scale models (VAR), their samplers and converters.
 
 Public API:
-  attention, KVCache, ScaleCausal, TokenMask, register_backend   -- the one attention entry point
+  attention.attention, KVCache, ScaleCausal, TokenMask, register_backend -- the attention entry point
   resize, area_resize, bicubic_resize, nearest_resize            -- PyTorch-exact resampling
   ScaleSchedule, VAR_256, VAR_512, INFINITY_1024, get_schedule   -- scale schedules
   VQVAE, VQVAEConfig                                             -- VAR's multi-scale residual VQVAE
@@ -10,7 +10,8 @@ Public API:
   save_params, load_params                                       -- checkpoints on disk
 Converters from the official checkpoints live in `var_models.convert`.
 """
-from var_models.attention import KVCache, ScaleCausal, TokenMask, attention, register_backend
+from var_models import attention
+from var_models.attention import KVCache, ScaleCausal, TokenMask, register_backend
 from var_models.blocks import BlockHooks
 from var_models.checkpoint import load_params, save_params
 from var_models.policy import ScalePolicy, Step
