@@ -298,3 +298,13 @@ def test_cudnn_matches_xla_in_bf16(masked):
   want = ref_attention(np.asarray(q, np.float32), np.asarray(k, np.float32), np.asarray(v, np.float32),
                        None if mask is None else mask.dense())
   np.testing.assert_allclose(np.asarray(c, np.float64), want, atol=3e-2, rtol=3e-2)
+
+
+def test_attention_dropout_keeps_expectation_and_is_off_without_rng():
+  q, k, v = _qkv(b=1, lq=6, lk=40, h=2, d=4, seed=14)
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  plain = attention(q, k, v)
+  _close(attention(q, k, v, dropout_rate=0.5), ref_attention(q, k, v))
+  outs = jnp.stack([attention(q, k, v, dropout_rate=0.3, dropout_rng=jax.random.key(i)) for i in range(300)])
+  assert not np.allclose(outs[0], outs[1])
+  np.testing.assert_allclose(outs.mean(0), plain, atol=0.15)

@@ -84,14 +84,29 @@ def check_backend(name: str) -> None:
     raise ValueError(f'unknown attention backend {name!r}; known: {backends()}')
 
 
+def _dropout_attention(q, k, v, mask: Mask, scale: float, rate: float, rng) -> jax.Array:
+  """Explicit softmax attention with dropout on the probabilities (training of
+  models trained so, e.g. MAR); the fused backends have no dropout."""
+  logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32) * scale
+  if mask is not None:
+    logits = jnp.where(jnp.asarray(mask.dense()), logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1)
+  keep = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
+  probs = jnp.where(keep, probs / (1.0 - rate), 0.0).astype(v.dtype)
+  return jnp.einsum('bhqk,bkhd->bqhd', probs, v)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: Mask = None,
               scale: Optional[float] = None, backend: str = 'xla',
-              kv_len: Optional[int] = None) -> jax.Array:
+              kv_len: Optional[int] = None, dropout_rate: float = 0.0,
+              dropout_rng: Optional[jax.Array] = None) -> jax.Array:
   """Softmax attention. q [B, Lq, H, D], k and v [B, Lk, H, D] -> [B, Lq, H, D].
 
   `scale` multiplies q.k (default 1/sqrt(D)); softmax runs in float32.
   `kv_len` (static) uses only the first kv_len keys: a KV cache is read in
-  place rather than copied out as a prefix.
+  place rather than copied out as a prefix. With `dropout_rng` and a positive
+  `dropout_rate`, attention probabilities are dropped (any backend falls back
+  to the explicit computation then).
   """
   check_backend(backend)
   _check(q, k, v, mask)
@@ -103,6 +118,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: Mask = None,
     scale = 1.0 / float(np.sqrt(q.shape[-1]))
   if kv_len == k.shape[1]:
     kv_len = None
+  if dropout_rng is not None and dropout_rate > 0:
+    if kv_len is not None:
+      k, v = k[:, :kv_len], v[:, :kv_len]
+    return _dropout_attention(q, k, v, mask, scale, dropout_rate, dropout_rng)
   return _BACKENDS[backend](q, k, v, mask, scale, kv_len)
 
 
