@@ -10,6 +10,7 @@ VARIANTS = ('d16', 'd20', 'd24', 'd30', 'tiny')
 
 def _official(depth: int) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
+  c.family = 'var'
   c.variant = f'd{depth}'
   c.image_size = 256
   c.patch_nums = (1, 2, 3, 4, 5, 6, 8, 10, 13, 16)

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 
 from var_models import attention as attn_lib
 from var_models import checkpoint
+from var_models import mar as mar_lib
+from var_models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
 from var_models.var import VARConfig, init_params
 from var_models.vqvae import VQVAE, VQVAEConfig
 
@@ -20,11 +22,15 @@ def compute_dtype(config) -> Any:
   return _DTYPES[config.dtype]
 
 
+def _check_backend(config) -> None:
+  if config.attn_backend not in attn_lib.backends():
+    raise ValueError(f'config.attn_backend must be one of {attn_lib.backends()}, got {config.attn_backend!r}')
+
+
 def var_configs(config) -> tuple[VARConfig, VQVAEConfig]:
   """(VARConfig, VQVAEConfig) from a configs/var.py config; errors name the config key."""
   dtype = compute_dtype(config)
-  if config.attn_backend not in attn_lib.backends():
-    raise ValueError(f'config.attn_backend must be one of {attn_lib.backends()}, got {config.attn_backend!r}')
+  _check_backend(config)
   pns = tuple(int(p) for p in config.patch_nums)
   m, q = config.model, config.vqvae
   try:
@@ -55,4 +61,33 @@ def init_var_params(var_cfg: VARConfig, vq_cfg: VQVAEConfig, key) -> dict:
 def load_var_params(var_cfg: VARConfig, vq_cfg: VQVAEConfig, directory: Optional[str]) -> dict:
   """Params from a checkpoint directory written by `python -m var_models.convert var` or training."""
   abstract = jax.eval_shape(lambda k: init_var_params(var_cfg, vq_cfg, k), jax.random.key(0))
+  return checkpoint.load_params(directory, abstract)
+
+
+def mar_configs(config) -> tuple[mar_lib.MARConfig, AutoencoderKLConfig]:
+  """(MARConfig, AutoencoderKLConfig) from a configs/mar.py config; errors name the config key."""
+  dtype = compute_dtype(config)
+  _check_backend(config)
+  try:
+    vae_cfg = AutoencoderKLConfig(**{**config.vae.to_dict(), 'ch_mult': tuple(config.vae.ch_mult)},
+                                  dtype=dtype)
+    mar_cfg = mar_lib.MARConfig(**config.model.to_dict(), attn_backend=config.attn_backend, dtype=dtype)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f'bad config.model / config.vae: {e}') from e
+  if mar_cfg.vae_stride != vae_cfg.downsample or mar_cfg.vae_embed_dim != vae_cfg.embed_dim:
+    raise ValueError(f'config.model.vae_stride={mar_cfg.vae_stride} / vae_embed_dim={mar_cfg.vae_embed_dim} '
+                     f'do not match config.vae (downsample {vae_cfg.downsample}, embed_dim {vae_cfg.embed_dim})')
+  return mar_cfg, vae_cfg
+
+
+def init_mar_params(mar_cfg: mar_lib.MARConfig, vae_cfg: AutoencoderKLConfig, key) -> dict:
+  """Random {'mar', 'vae'} params (official init)."""
+  k1, k2, k3 = jax.random.split(key, 3)
+  img = jnp.zeros((1, mar_cfg.img_size, mar_cfg.img_size, 3), jnp.float32)
+  return {'mar': mar_lib.init_params(mar_cfg, k1), 'vae': AutoencoderKL(vae_cfg).init(k2, img, k3)['params']}
+
+
+def load_mar_params(mar_cfg: mar_lib.MARConfig, vae_cfg: AutoencoderKLConfig, directory: str) -> dict:
+  """Params from a checkpoint directory written by `python -m var_models.convert mar` or training."""
+  abstract = jax.eval_shape(lambda k: init_mar_params(mar_cfg, vae_cfg, k), jax.random.key(0))
   return checkpoint.load_params(directory, abstract)

@@ -7,33 +7,45 @@ import sys
 import numpy as np
 
 from var_models import checkpoint
+from var_models import mar as mar_lib
+from var_models.autoencoder_kl import KL16
+from var_models.convert.autoencoder_kl import convert_autoencoder_kl
 from var_models.convert.common import strip_prefix
+from var_models.convert.mar import convert_mar
 from var_models.convert.var import convert_var, infer_var_depth
 from var_models.convert.vqvae import convert_vqvae
 from var_models.var import VARConfig
 from var_models.vqvae import VQVAEConfig
 
+MAR_SIZES = {'base': mar_lib.base, 'large': mar_lib.large, 'huge': mar_lib.huge}
+_WRAPPERS = ('state_dict', 'model', 'trainer')
 
-def load_state_dict(path: str) -> dict[str, np.ndarray]:
-  """A state dict as NumPy arrays from .pth/.pt (PyTorch), .npz or .safetensors."""
+
+def load_state_dict(path: str, entries: tuple[str, ...] = _WRAPPERS) -> dict[str, np.ndarray]:
+  """A state dict as NumPy arrays from .pth/.pt/.ckpt (PyTorch), .npz or .safetensors.
+
+  A training checkpoint's state dict is taken from the first of `entries` it holds.
+  """
   if path.endswith('.npz'):
     with np.load(path) as f:
       return strip_prefix({k: f[k] for k in f.files}, 'module.')
   if path.endswith('.safetensors'):
     from safetensors.numpy import load_file
     return strip_prefix(load_file(path), 'module.')
-  return _load_torch(path)
+  return _load_torch(path, entries)
 
 
-def _load_torch(path: str) -> dict[str, np.ndarray]:
+def _load_torch(path: str, entries: tuple[str, ...]) -> dict[str, np.ndarray]:
   try:
     import torch
   except ImportError as e:
-    raise SystemExit('reading .pth files needs PyTorch: pip install "ecar-jax[convert]"') from e
+    raise SystemExit('reading PyTorch checkpoints needs PyTorch: pip install "ecar-jax[convert]"') from e
+  torch.serialization.add_safe_globals([argparse.Namespace])  # MAR checkpoints store their args
   sd = torch.load(path, map_location='cpu', weights_only=True)
-  for wrapper in ('state_dict', 'model', 'trainer'):
-    if isinstance(sd, dict) and wrapper in sd and isinstance(sd[wrapper], dict):
+  for wrapper in entries:
+    if isinstance(sd, dict) and isinstance(sd.get(wrapper), dict):
       sd = sd[wrapper]
+      break
   out = {}
   for k, v in sd.items():
     if not hasattr(v, 'numpy'):
@@ -57,6 +69,20 @@ def convert_var_files(vae_path: str, var_path: str, depth: int, out: str,
   print(f'wrote VAR d{depth} + VQVAE params to {out}')
 
 
+def convert_mar_files(vae_path: str, mar_path: str, model: str, out: str, ema: bool = True,
+                      mar_cfg: mar_lib.MARConfig | None = None, vae_cfg=None) -> None:
+  """Official KL-16 VAE + MAR checkpoint -> checkpoint at `out` (EMA weights by default, as the
+  official evaluation samples with)."""
+  mar_cfg = mar_cfg or MAR_SIZES[model]()
+  vae_cfg = vae_cfg or KL16
+  entries = ('model_ema', 'model') if ema else ('model',)
+  params = {'vae': convert_autoencoder_kl(load_state_dict(vae_path), vae_cfg),
+            'mar': convert_mar(load_state_dict(mar_path, entries), mar_cfg)}
+  checkpoint.save_params(out, params, {'family': 'mar', 'model': model, 'ema': ema, 'vae': vae_path,
+                                       'mar': mar_path})
+  print(f'wrote MAR-{model} + KL-16 VAE params to {out}')
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog='python -m var_models.convert', description=__doc__)
   sub = parser.add_subparsers(dest='family', required=True)
@@ -65,9 +91,18 @@ def main(argv=None) -> None:
   v.add_argument('--var', required=True, help='var_d16.pth ... var_d30.pth')
   v.add_argument('--depth', type=int, required=True, choices=(16, 20, 24, 30))
   v.add_argument('--out', required=True, help='output checkpoint directory')
+  m = sub.add_parser('mar', help='KL-16 VAE (kl16.ckpt) + MAR (checkpoint-last.pth)')
+  m.add_argument('--vae', required=True, help='kl16.ckpt (or .npz / .safetensors)')
+  m.add_argument('--mar', required=True, help='checkpoint-last.pth of MAR-B/L/H')
+  m.add_argument('--model', required=True, choices=sorted(MAR_SIZES))
+  m.add_argument('--no-ema', dest='ema', action='store_false', help="use 'model' instead of 'model_ema'")
+  m.add_argument('--out', required=True, help='output checkpoint directory')
   args = parser.parse_args(argv)
   try:
-    convert_var_files(args.vae, args.var, args.depth, args.out)
+    if args.family == 'var':
+      convert_var_files(args.vae, args.var, args.depth, args.out)
+    else:
+      convert_mar_files(args.vae, args.mar, args.model, args.out, args.ema)
   except ValueError as e:
     sys.exit(f'error: {e}')
 

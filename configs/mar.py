@@ -1,0 +1,53 @@
+"""MAR configs: `--config configs/mar.py:VARIANT` with VARIANT in base, large, huge, tiny.
+
+base/large/huge are the released MAR-B/L/H with the KL-16 VAE (kl16.ckpt) at
+256 px; `tiny` runs on a CPU in seconds (32 px, 16 tokens, random weights).
+"""
+import ml_collections
+
+VARIANTS = ('base', 'large', 'huge', 'tiny')
+# width, depth, heads (encoder = decoder), DiffLoss depth and width, evaluation cfg.
+_SIZES = {'base': (768, 12, 12, 6, 1024, 2.9), 'large': (1024, 16, 16, 8, 1280, 3.0),
+          'huge': (1280, 20, 16, 12, 1536, 3.2)}
+
+
+def _released(variant: str) -> ml_collections.ConfigDict:
+  width, depth, heads, dl_depth, dl_width, cfg = _SIZES[variant]
+  c = ml_collections.ConfigDict()
+  c.family = 'mar'
+  c.variant = variant
+  c.model = ml_collections.ConfigDict(dict(
+      img_size=256, vae_stride=16, patch_size=1, encoder_embed_dim=width, encoder_depth=depth,
+      encoder_num_heads=heads, decoder_embed_dim=width, decoder_depth=depth, decoder_num_heads=heads,
+      mlp_ratio=4.0, vae_embed_dim=16, mask_ratio_min=0.7, label_drop_prob=0.1, class_num=1000,
+      attn_dropout=0.1, proj_dropout=0.1, buffer_size=64, diffloss_d=dl_depth, diffloss_w=dl_width,
+      num_sampling_steps='100', diffusion_batch_mul=4))
+  c.vae = ml_collections.ConfigDict(dict(
+      embed_dim=16, z_channels=16, ch=128, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2,
+      encoder_attn=True, decoder_attn=False, mid_attn=True, scaling_factor=0.2325))
+  c.dtype = 'bfloat16'
+  c.attn_backend = 'cudnn'
+  # The paper's evaluation settings (256 iterations for FID; 64 is the fast setting).
+  c.sample = ml_collections.ConfigDict(dict(
+      num_iter=64, cfg=cfg, cfg_schedule='linear', temperature=1.0, num_diffusion_steps=100,
+      seed=0, batch_size=16))
+  return c
+
+
+def _tiny() -> ml_collections.ConfigDict:
+  c = _released('base')
+  c.variant = 'tiny'
+  c.model.update(img_size=32, vae_stride=8, encoder_embed_dim=32, encoder_depth=2, encoder_num_heads=2,
+                 decoder_embed_dim=48, decoder_depth=1, decoder_num_heads=2, vae_embed_dim=4,
+                 class_num=10, buffer_size=4, diffloss_d=2, diffloss_w=32, num_sampling_steps='10')
+  c.vae.update(embed_dim=4, z_channels=4, ch=32, ch_mult=(1, 2, 2, 2), num_res_blocks=1)
+  c.dtype = 'float32'
+  c.attn_backend = 'xla'
+  c.sample.update(num_iter=8, cfg=3.0, num_diffusion_steps=10, batch_size=8)
+  return c
+
+
+def get_config(arg: str = 'base') -> ml_collections.ConfigDict:
+  if arg not in VARIANTS:
+    raise ValueError(f'unknown MAR variant {arg!r}; known: {VARIANTS}')
+  return _tiny() if arg == 'tiny' else _released(arg)

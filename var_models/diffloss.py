@@ -1,0 +1,195 @@
+"""MAR's DiffLoss head: the small AdaLN MLP denoiser and its loss / sampler.
+
+Param tree of `SimpleMLPAdaLN` (torch name in brackets, flax Dense kernels are [in, out]):
+  input_proj                      [input_proj]
+  cond_embed                      [cond_embed]
+  time_embed/mlp_0, mlp_2         [time_embed.mlp.0, .2]
+  res_blocks_{i}/in_ln            [res_blocks.{i}.in_ln]  (LayerNorm scale/bias)
+  res_blocks_{i}/mlp_0, mlp_2     [res_blocks.{i}.mlp.0, .2]
+  res_blocks_{i}/adaLN_modulation_1  [res_blocks.{i}.adaLN_modulation.1]
+  final_layer/adaLN_modulation_1  [final_layer.adaLN_modulation.1]
+  final_layer/linear              [final_layer.linear]
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from var_models.gaussian_diffusion import GaussianDiffusion, SampleModelFn, create_diffusion
+
+Array = jax.Array
+FREQ_DIM = 256  # sinusoidal timestep features fed to time_embed/mlp_0
+
+_xavier = nn.initializers.xavier_uniform()
+_zeros = nn.initializers.zeros
+
+
+def timestep_embedding(t: Array, dim: int = FREQ_DIM, max_period: float = 10000.0) -> Array:
+  """t [N] (int or float) -> [N, dim] float32: cos then sin of t * max_period^(-k/(dim/2))."""
+  half = dim // 2
+  freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
+  args = t.astype(jnp.float32)[:, None] * freqs[None]
+  return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+
+
+def modulate(x: Array, shift: Array, scale: Array) -> Array:
+  return x * (1 + scale) + shift
+
+
+def _dense(features: int, name: str, dtype, kernel_init=_xavier) -> nn.Dense:
+  return nn.Dense(features, kernel_init=kernel_init, bias_init=_zeros, dtype=dtype, name=name)
+
+
+class TimestepEmbedder(nn.Module):
+  """t [N] -> [N, width]: sinusoidal features -> Linear -> SiLU -> Linear."""
+  width: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, t: Array) -> Array:
+    init = nn.initializers.normal(0.02)
+    h = _dense(self.width, 'mlp_0', self.dtype, init)(timestep_embedding(t))
+    return _dense(self.width, 'mlp_2', self.dtype, init)(nn.silu(h))
+
+
+class ResBlock(nn.Module):
+  """x + gate * MLP(modulate(LN(x), shift, scale)), (shift, scale, gate) from y. [N, w] -> [N, w]."""
+  width: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, y: Array) -> Array:
+    mod = _dense(3 * self.width, 'adaLN_modulation_1', self.dtype, _zeros)(nn.silu(y))
+    shift, scale, gate = jnp.split(mod, 3, axis=-1)
+    h = nn.LayerNorm(epsilon=1e-6, use_fast_variance=False, dtype=self.dtype, name='in_ln')(x)
+    h = _dense(self.width, 'mlp_0', self.dtype)(modulate(h, shift, scale))
+    h = _dense(self.width, 'mlp_2', self.dtype)(nn.silu(h))
+    return x + gate * h
+
+
+class FinalLayer(nn.Module):
+  """Linear(modulate(LN(x), shift, scale)) with a non-affine LN. [N, w] -> [N, out]."""
+  width: int
+  out_channels: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, y: Array) -> Array:
+    mod = _dense(2 * self.width, 'adaLN_modulation_1', self.dtype, _zeros)(nn.silu(y))
+    shift, scale = jnp.split(mod, 2, axis=-1)
+    h = nn.LayerNorm(epsilon=1e-6, use_scale=False, use_bias=False, use_fast_variance=False,
+                     dtype=self.dtype)(x)
+    return _dense(self.out_channels, 'linear', self.dtype, _zeros)(modulate(h, shift, scale))
+
+
+class SimpleMLPAdaLN(nn.Module):
+  """DiffLoss denoiser: x [N, in], t [N] (original diffusion step), c [N, z] -> [N, out] float32,
+  out = (eps, variance values). Init as the official: xavier-uniform Linears with zero bias,
+  normal(0.02) time-embedding weights, zero adaLN modulations and output layer."""
+  model_channels: int
+  z_channels: int
+  num_res_blocks: int
+  in_channels: int = 16
+  out_channels: int = 32
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    w, dt = self.model_channels, self.dtype
+    self.time_embed = TimestepEmbedder(w, dt)
+    self.cond_embed = _dense(w, 'cond_embed', dt)
+    self.input_proj = _dense(w, 'input_proj', dt)
+    self.res_blocks = [ResBlock(w, dt) for _ in range(self.num_res_blocks)]
+    self.final_layer = FinalLayer(w, self.out_channels, dt)
+
+  def __call__(self, x: Array, t: Array, c: Array) -> Array:
+    h = self.input_proj(x)
+    y = self.time_embed(t) + self.cond_embed(c)
+    for block in self.res_blocks:
+      h = block(h, y)
+    return self.final_layer(h, y).astype(jnp.float32)
+
+  def forward_with_cfg(self, x: Array, t: Array, c: Array, cfg_scale) -> Array:
+    """Batch = [cond; uncond] halves. Both halves are denoised from the cond half's x; both
+    get eps = uncond + cfg_scale * (cond - uncond); the variance channels pass through per row."""
+    half = x[: x.shape[0] // 2]
+    out = self(jnp.concatenate([half, half], axis=0), t, c)
+    eps, rest = out[:, :self.in_channels], out[:, self.in_channels:]
+    cond, uncond = jnp.split(eps, 2, axis=0)
+    guided = uncond + cfg_scale * (cond - uncond)
+    return jnp.concatenate([jnp.concatenate([guided, guided], axis=0), rest], axis=1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DiffLossConfig:
+  """DiffLoss sizes (MAR-B: z_channels 768, width 1024, depth 6) and its two processes."""
+  target_channels: int = 16
+  z_channels: int
+  width: int
+  depth: int
+  num_sampling_steps: Union[str, int] = '100'
+  train_steps: int = 1000
+  dtype: Any = jnp.float32
+
+  def make_net(self) -> SimpleMLPAdaLN:
+    return SimpleMLPAdaLN(model_channels=self.width, z_channels=self.z_channels, num_res_blocks=self.depth,
+                          in_channels=self.target_channels, out_channels=2 * self.target_channels,
+                          dtype=self.dtype)
+
+  def train_diffusion(self) -> GaussianDiffusion:
+    return create_diffusion(None, 'cosine', self.train_steps)
+
+  def gen_diffusion(self) -> GaussianDiffusion:
+    return create_diffusion(self.num_sampling_steps, 'cosine', self.train_steps)
+
+
+def init_diffloss(cfg: DiffLossConfig, key: Array) -> dict:
+  """Official-init params of `cfg.make_net()`."""
+  c = cfg.target_channels
+  x, t, z = jnp.zeros((1, c)), jnp.zeros((1,), jnp.int32), jnp.zeros((1, cfg.z_channels))
+  return cfg.make_net().init(key, x, t, z)['params']
+
+
+def diffloss_loss(net: SimpleMLPAdaLN, params, target: Array, z: Array, mask: Optional[Array], key: Array,
+                  *, diffusion: Optional[GaussianDiffusion] = None) -> Array:
+  """Scalar DiffLoss: t ~ U{0..T-1}, eps ~ N(0, I) per row; per-row MSE + VB, averaged over
+  rows where mask [N] is set (sum(loss * mask) / sum(mask)), or all rows without a mask.
+  target [N, C], z [N, Cz]; diffusion defaults to the full 1000-step cosine process."""
+  diffusion = diffusion or create_diffusion(None)
+  k_t, k_noise = jax.random.split(key)
+  t = jax.random.randint(k_t, (target.shape[0],), 0, diffusion.num_timesteps)
+  noise = jax.random.normal(k_noise, target.shape, jnp.float32)
+  model_fn = lambda x, tm: net.apply({'params': params}, x, tm, z)
+  loss = diffusion.training_losses(model_fn, target.astype(jnp.float32), t, noise)['loss']
+  if mask is None:
+    return jnp.mean(loss)
+  mask = mask.astype(loss.dtype)
+  return jnp.sum(loss * mask) / jnp.sum(mask)
+
+
+def diffloss_model_fn(net: SimpleMLPAdaLN, params, z: Array, cfg_scale, guided: bool) -> SampleModelFn:
+  """model_fn(x, t_model, i) for `p_sample_loop`: the plain net, or with `guided` (z = [cond;
+  uncond]) `forward_with_cfg` at the (possibly traced) cfg_scale. The step index is unused here."""
+  if guided:
+    return lambda x, t, i: net.apply({'params': params}, x, t, z, cfg_scale, method=SimpleMLPAdaLN.forward_with_cfg)
+  return lambda x, t, i: net.apply({'params': params}, x, t, z)
+
+
+def diffloss_sample(net: SimpleMLPAdaLN, params, z: Array, key: Array, temperature, cfg_scale, *,
+                    guided: bool, diffusion: Optional[GaussianDiffusion] = None) -> Array:
+  """z [N, Cz] -> token latents [N, C] by ancestral sampling (default: 100 respaced steps).
+  guided (static) means z = [cond; uncond] halves sharing one initial noise and cfg_scale
+  applies; all N rows come back (the uncond half is the caller's to drop). temperature scales
+  only the per-step noise, as the official does."""
+  diffusion = diffusion or create_diffusion('100')
+  k_init, k_loop = jax.random.split(key)
+  n = z.shape[0] // 2 if guided else z.shape[0]
+  x_T = jax.random.normal(k_init, (n, net.in_channels), jnp.float32)
+  if guided:
+    x_T = jnp.concatenate([x_T, x_T], axis=0)
+  model_fn = diffloss_model_fn(net, params, z, cfg_scale, guided)
+  return diffusion.p_sample_loop(model_fn, x_T, k_loop, temperature)

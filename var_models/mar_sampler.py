@@ -1,0 +1,167 @@
+"""MAR's class-conditional sampler (the official `sample_tokens`), compiled whole.
+
+    sample = make_mar_sampler(mar_cfg, vae_cfg, num_iter=64, guided=True)
+    images, aux = sample(params, key, labels, cfg=3.0, cfg_schedule='linear', temperature=1.0)
+
+`params = {'mar': ..., 'vae': ...}`; images [B, H, W, 3] in [0, 1]; aux['tokens']
+[B, N, D] the sampled latent tokens (scaled as MAR sees them).
+
+Each iteration runs the MAE encoder on the known tokens and the decoder on all
+positions, then the diffusion head samples the tokens the cosine schedule
+predicts at that iteration, in a per-sample random order. Every per-iteration
+count is static, so the iterations are one `lax.scan` over padded shapes:
+  - the encoder masks unknown positions out as keys (the same outputs as MAE's
+    dropping, with one shape for every iteration);
+  - the head samples P = max predicted-per-iteration rows; rows past an
+    iteration's count are computed and discarded.
+With guidance the batch is doubled ([cond; uncond(fake class)]), both halves
+share the diffusion noise, eps = eps_u + s * (eps_c - eps_u), and s is 'linear'
+(1 + (cfg - 1) * (N - mask_len) / N) or 'constant'.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from var_models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
+from var_models.diffloss import diffloss_sample
+from var_models.gaussian_diffusion import create_diffusion
+from var_models.mar import MAR, MARConfig, diffloss_net
+
+Array = jax.Array
+CFG_SCHEDULES = ('linear', 'constant')
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSchedule:
+  """Static per-iteration counts of the official cosine schedule (all [num_iter] int)."""
+  masked: np.ndarray    # unknown tokens before the iteration
+  mask_len: np.ndarray  # unknown tokens after it (as clamped by the official code; >= 1)
+  n_pred: np.ndarray    # tokens predicted at the iteration
+
+  @property
+  def max_pred(self) -> int:
+    return int(self.n_pred.max())
+
+
+def mask_schedule(seq_len: int, num_iter: int) -> MaskSchedule:
+  if not 1 <= num_iter <= seq_len:
+    raise ValueError(f'num_iter must be in [1, {seq_len}] (the token count), got {num_iter}')
+  masked, rows = seq_len, []
+  for step in range(num_iter):
+    mask_len = int(np.floor(seq_len * np.cos(math.pi / 2.0 * (step + 1) / num_iter)))
+    mask_len = max(1, min(masked - 1, mask_len))
+    n_pred = masked if step == num_iter - 1 else masked - mask_len
+    rows.append((masked, mask_len, n_pred))
+    masked -= n_pred
+  m, l, n = (np.array(c, np.int32) for c in zip(*rows))
+  return MaskSchedule(m, l, n)
+
+
+def check_mar_sample_args(cfg: MARConfig, labels, guidance: float, guided: bool, cfg_schedule: str,
+                          temperature: float) -> None:
+  labels = np.asarray(labels)
+  if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer):
+    raise ValueError(f'labels must be a non-empty 1-D integer array, got shape {labels.shape}')
+  bad = labels[(labels < 0) | (labels >= cfg.class_num)]
+  if bad.size:
+    raise ValueError(f'labels must be in [0, {cfg.class_num}), got {bad[:5].tolist()}')
+  if cfg_schedule not in CFG_SCHEDULES:
+    raise ValueError(f'unknown cfg_schedule {cfg_schedule!r}; expected one of {CFG_SCHEDULES}')
+  if not np.isfinite(guidance) or (guided and guidance < 1):
+    raise ValueError(f'cfg must be >= 1 with guidance, got {guidance}')
+  if not guided and guidance != 1.0:
+    raise ValueError(f'cfg {guidance} needs a sampler made with guided=True')
+  if not temperature > 0:
+    raise ValueError(f'temperature must be > 0, got {temperature}')
+
+
+def _ranks(order: Array) -> Array:
+  """order [B, N] (a permutation per sample) -> rank [B, N] of every position in it."""
+  b, n = order.shape
+  return jnp.zeros_like(order).at[jnp.arange(b)[:, None], order].set(jnp.arange(n, dtype=order.dtype))
+
+
+class _MARSampler:
+  def __init__(self, mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, num_iter: int, guided: bool,
+               num_diffusion_steps: Optional[int]):
+    self.cfg, self.guided = mar_cfg, guided
+    self.model, self.vae = MAR(mar_cfg), AutoencoderKL(vae_cfg)
+    self.head = diffloss_net(mar_cfg)
+    self.diffusion = create_diffusion(num_diffusion_steps or mar_cfg.num_sampling_steps)
+    self.sched = mask_schedule(mar_cfg.seq_len, num_iter)
+    self.vae_scale = vae_cfg.scaling_factor
+    self._jitted = jax.jit(self._sample, static_argnames=('cfg_schedule',))
+
+  def __call__(self, params, key, labels, *, cfg: float = 1.0, cfg_schedule: str = 'linear',
+               temperature: float = 1.0):
+    check_mar_sample_args(self.cfg, labels, cfg, self.guided, cfg_schedule, temperature)
+    return self._jitted(params, key, jnp.asarray(labels, jnp.int32), jnp.float32(cfg),
+                        jnp.float32(temperature), cfg_schedule=cfg_schedule)
+
+  def _sample(self, params, key, labels, cfg, temperature, *, cfg_schedule):
+    mc, mp = self.cfg, {'params': params['mar']}
+    b, n, d = labels.shape[0], mc.seq_len, mc.token_embed_dim
+    key, k_order = jax.random.split(key)
+    order = jax.vmap(lambda k: jax.random.permutation(k, n))(jax.random.split(k_order, b)).astype(jnp.int32)
+    rank = _ranks(order)
+    class_emb = self.model.apply(mp, labels, method=MAR.class_embedding)
+    if self.guided:
+      class_emb = jnp.concatenate([class_emb, self.model.apply(mp, b, method=MAR.fake_class)])
+    s = self.sched
+    per_step = (jnp.arange(len(s.masked)), jnp.asarray(s.masked), jnp.asarray(s.mask_len), jnp.asarray(s.n_pred))
+
+    def step(tokens, xs):
+      i, masked, mask_len, n_pred = xs
+      guidance = cfg if cfg_schedule == 'constant' else 1 + (cfg - 1) * (n - mask_len) / n
+      new = self._iteration(params, jax.random.fold_in(key, i), tokens, rank, order, class_emb,
+                            masked, n_pred, guidance, temperature)
+      return new, None
+
+    tokens, _ = jax.lax.scan(step, jnp.zeros((b, n, d), jnp.float32), per_step)
+    latents = self.model.apply(mp, tokens, method=MAR.unpatchify) / self.vae_scale
+    images = self.vae.apply({'params': params['vae']}, latents, method=AutoencoderKL.decode)
+    return jnp.clip((images + 1) * 0.5, 0, 1), {'tokens': tokens}
+
+  def _iteration(self, params, key, tokens, rank, order, class_emb, masked, n_pred, guidance,
+                 temperature):
+    """One MAR iteration: encode the known tokens, decode all, sample the next ones. [B, N, D]."""
+    mp = {'params': params['mar']}
+    mask = rank < masked
+    t2, m2 = (jnp.concatenate([tokens, tokens]), jnp.concatenate([mask, mask])) if self.guided else (tokens, mask)
+    z = self.model.apply(mp, self.model.apply(mp, t2, m2, class_emb, method=MAR.encode), m2,
+                         method=MAR.decode)
+    idx = self._pred_positions(order, masked, n_pred)
+    gather = jnp.minimum(idx, tokens.shape[1] - 1)
+    z_sel = jnp.take_along_axis(z, (jnp.concatenate([gather, gather]) if self.guided else gather)[..., None], axis=1)
+    new = self._head_sample(params, key, z_sel.reshape(-1, z.shape[-1]), guidance, temperature)
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    # Padding rows carry the out-of-range position N and are dropped.
+    return tokens.at[rows, idx].set(new.reshape(idx.shape + (tokens.shape[-1],)), mode='drop')
+
+  def _pred_positions(self, order, masked, n_pred):
+    """Positions [B, P] predicted this iteration, ascending as the official nonzero() order;
+    the P - n_pred padding rows hold N (out of range) and come last."""
+    p, n = self.sched.max_pred, order.shape[1]
+    window = jax.lax.dynamic_slice_in_dim(
+        jnp.concatenate([order, jnp.zeros_like(order[:, :p])], axis=1), masked - n_pred, p, axis=1)
+    return jnp.sort(jnp.where(jnp.arange(p) < n_pred, window, n), axis=1)
+
+  def _head_sample(self, params, key, z, guidance, temperature):
+    """Diffusion-head sampling of rows z [R, Cd] ([cond; uncond] halves with guidance) -> the
+    conditional rows' tokens [R or R/2, D]."""
+    out = diffloss_sample(self.head, params['mar']['diffloss'], z, key, temperature, guidance,
+                          guided=self.guided, diffusion=self.diffusion)
+    return out[:z.shape[0] // 2] if self.guided else out
+
+
+def make_mar_sampler(mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, *, num_iter: int = 64,
+                     guided: bool = True, num_diffusion_steps: Optional[int] = None):
+  """A pure, jit-compiled MAR sampler `sample(params, key, labels, *, cfg, cfg_schedule,
+  temperature) -> (images, aux)`. `guided` (static) doubles the batch for CFG."""
+  return _MARSampler(mar_cfg, vae_cfg, num_iter, guided, num_diffusion_steps)

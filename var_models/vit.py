@@ -1,0 +1,116 @@
+"""The pre-LayerNorm ViT block with timm's `vision_transformer.Block` semantics.
+
+x + Attn(LN(x)), then x + MLP(LN(x)); qkv packs (q, k, v) x heads x head_dim on
+its output axis as timm does, the MLP uses exact (erf) GELU, and dropout sits on
+the attention probabilities, after the attention projection, after the MLP's
+activation and after fc2. Parameter names mirror timm's (norm1, attn/qkv,
+attn/proj, norm2, mlp/fc1, mlp/fc2) so converters map keys one to one. Both
+sub-layers go through `blocks.residual`, the policy hook point.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from var_models import attention as attn_lib
+from var_models.blocks import BlockHooks, residual
+
+Array = jax.Array
+
+xavier_uniform = nn.initializers.xavier_uniform()
+
+
+def torch_layer_norm(eps: float, dtype: Any = None) -> nn.LayerNorm:
+  """Affine LayerNorm with torch's two-pass variance: flax's default E[x^2] - E[x]^2 loses
+  precision when a token's mean is large against its spread (deep residual streams)."""
+  return nn.LayerNorm(epsilon=eps, use_fast_variance=False, dtype=dtype)
+
+
+class Attention(nn.Module):
+  """Multi-head self-attention. x [B, l, C] -> [B, l, C]."""
+  width: int
+  num_heads: int
+  qkv_bias: bool = True
+  attn_drop: float = 0.0
+  proj_drop: float = 0.0
+  kernel_init: Callable = xavier_uniform
+  backend: str = 'xla'
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    self.qkv = nn.Dense(3 * self.width, use_bias=self.qkv_bias, kernel_init=self.kernel_init, dtype=self.dtype)
+    self.proj = nn.Dense(self.width, kernel_init=self.kernel_init, dtype=self.dtype)
+    self.drop = nn.Dropout(self.proj_drop)
+
+  def __call__(self, x: Array, *, mask: attn_lib.Mask = None, deterministic: bool = True) -> Array:
+    b, l, c = x.shape
+    h = self.num_heads
+    q, k, v = jnp.moveaxis(self.qkv(x).reshape(b, l, 3, h, c // h), 2, 0)
+    dropping = not deterministic and self.attn_drop > 0
+    out = attn_lib.attention(q, k, v, mask=mask, backend=self.backend,
+                             dropout_rate=self.attn_drop if dropping else 0.0,
+                             dropout_rng=self.make_rng('dropout') if dropping else None)
+    return self.drop(self.proj(out.reshape(b, l, c)), deterministic=deterministic)
+
+
+class Mlp(nn.Module):
+  """fc1 -> exact GELU -> dropout -> fc2 -> dropout. [B, l, C] -> [B, l, C]."""
+  width: int
+  hidden: int
+  drop: float = 0.0
+  kernel_init: Callable = xavier_uniform
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    self.fc1 = nn.Dense(self.hidden, kernel_init=self.kernel_init, dtype=self.dtype)
+    self.fc2 = nn.Dense(self.width, kernel_init=self.kernel_init, dtype=self.dtype)
+    self.dropout = nn.Dropout(self.drop)
+
+  def __call__(self, x: Array, deterministic: bool = True) -> Array:
+    x = self.dropout(nn.gelu(self.fc1(x), approximate=False), deterministic=deterministic)
+    return self.dropout(self.fc2(x), deterministic=deterministic)
+
+
+class Block(nn.Module):
+  """timm's ViT Block. x [B, l, C] -> [B, l, C].
+
+  Default initialisation is MAE/MAR's: xavier-uniform Linear weights, zero
+  biases, LayerNorm 1/0.
+  """
+  width: int
+  num_heads: int
+  mlp_ratio: float = 4.0
+  qkv_bias: bool = True
+  norm_eps: float = 1e-6
+  attn_drop: float = 0.0
+  proj_drop: float = 0.0
+  drop_path_rate: float = 0.0
+  kernel_init: Callable = xavier_uniform
+  backend: str = 'xla'
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    c = self.width
+    self.norm1 = torch_layer_norm(self.norm_eps, self.dtype)
+    self.attn = Attention(c, self.num_heads, self.qkv_bias, self.attn_drop, self.proj_drop, self.kernel_init,
+                          self.backend, self.dtype)
+    self.norm2 = torch_layer_norm(self.norm_eps, self.dtype)
+    # int(), not round(): timm truncates the hidden width.
+    self.mlp = Mlp(c, int(c * self.mlp_ratio), self.proj_drop, self.kernel_init, self.dtype)
+
+  def __call__(self, x: Array, *, mask: attn_lib.Mask = None, hooks: Optional[BlockHooks] = None,
+               state: Any = None, deterministic: bool = True):
+    """Returns (x, state). `mask` applies to the tokens the attention branch is given
+    (all of x unless `hooks` select a subset); hooks carry `state` as in `blocks.residual`."""
+    def attn_branch(h):
+      return self.attn(self.norm1(h), mask=mask, deterministic=deterministic), None
+
+    def mlp_branch(h):
+      return self.mlp(self.norm2(h), deterministic), None
+
+    x, _, state = residual(self, x, attn_branch, 'attn', hooks, state, self.drop_path_rate, deterministic)
+    x, _, state = residual(self, x, mlp_branch, 'ffn', hooks, state, self.drop_path_rate, deterministic)
+    return x, state
