@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 
 import jax
@@ -34,21 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from parity_common import rel_err, report
 from var_models.convert.diffloss import convert_diffloss
 from var_models.diffloss import DiffLossConfig, SimpleMLPAdaLN, diffloss_model_fn
 from var_models.gaussian_diffusion import create_diffusion
 
 jax.config.update('jax_default_matmul_precision', 'highest')
-
-
-def rel_err(got, want) -> float:
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-
-
-def report(**kw) -> dict:
-  print(json.dumps(kw), flush=True)
-  return kw
 
 
 def build_official(official: str, cfg: DiffLossConfig, seed: int):

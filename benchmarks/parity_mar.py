@@ -18,8 +18,6 @@ Prints one JSON line per check (max relative error); exits 1 if one exceeds --to
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 
 import jax
@@ -27,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from parity_common import randomize_, rel_err, report
 from var_models import mar
 from var_models.convert.mar import convert_mar
 from var_models.mar import MAR
@@ -39,38 +38,12 @@ _TABLES = ('class_emb.weight', 'fake_latent', 'mask_token', 'encoder_pos_embed_l
            'decoder_pos_embed_learned', 'diffusion_pos_embed_learned')
 
 
-def rel_err(got, want) -> float:
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-
-
-def report(**kw) -> dict:
-  print(json.dumps(kw), flush=True)
-  return kw
-
-
 def build_official(official: str, size: str) -> torch.nn.Module:
   if official not in sys.path:
     sys.path.insert(0, official)
   from models import mar as official_mar   # pylint: disable=import-outside-toplevel
   depth, width = _DIFFLOSS[size]
   return getattr(official_mar, f'mar_{size}')(diffloss_d=depth, diffloss_w=width).eval()
-
-
-def _mean_std(name: str, p: torch.Tensor) -> tuple[float, float]:
-  """Random but well-scaled: fan-in Linear weights, O(1) tables, norm gains near 1."""
-  if name in _TABLES:
-    return 0.0, 0.5
-  if p.ndim == 2:   # Linear [out, in]
-    return 0.0, 1.0 / math.sqrt(p.shape[1])
-  return (1.0, 0.1) if name.endswith('.weight') else (0.0, 0.1)   # 1-D weights are norm gains
-
-
-@torch.no_grad()
-def randomize_(module: torch.nn.Module, gen: torch.Generator) -> None:
-  for name, p in module.named_parameters():
-    mean, std = _mean_std(name, p)
-    p.copy_(torch.randn(p.shape, generator=gen) * std + mean)
 
 
 def random_inputs(cfg: mar.MARConfig, batch: int, n_masked: int, seed: int):
@@ -133,7 +106,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
 
   model = build_official(args.official, args.size)
-  randomize_(model, torch.Generator().manual_seed(args.seed))
+  randomize_(model, torch.Generator().manual_seed(args.seed), _TABLES)
   cfg = getattr(mar, args.size)()
   params = convert_mar({k: v.numpy() for k, v in model.state_dict().items()}, cfg)
   errs = []

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
-import math
 import sys
 
 import jax
@@ -30,22 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from parity_common import randomize_, rel_err, report
 from var_models.convert.var import convert_var
 from var_models.convert.vqvae import convert_vqvae
 from var_models.var import VAR, VARConfig
 from var_models.vqvae import VQVAE, VQVAEConfig
 
 jax.config.update('jax_default_matmul_precision', 'highest')
-
-
-def rel_err(got, want) -> float:
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-
-
-def report(**kw) -> dict:
-  print(json.dumps(kw), flush=True)
-  return kw
 
 
 def build_official(official: str, depth: int, shared_aln: bool, patch_nums: tuple[int, ...]):
@@ -60,24 +49,6 @@ def build_official(official: str, depth: int, shared_aln: bool, patch_nums: tupl
 
 
 _TABLES = ('class_emb.weight', 'lvl_embed.weight', 'pos_start', 'pos_1LC', 'quantize.embedding.weight')
-
-
-def _mean_std(name: str, p: torch.Tensor) -> tuple[float, float]:
-  """Random but well-scaled: fan-in weights, O(1) tables and gates, norm gains near 1."""
-  if name.endswith('scale_mul_1H11'):
-    return math.log(4.0), 0.5
-  if name in _TABLES or name.endswith('ada_gss'):
-    return 0.0, 0.5
-  if p.ndim >= 2:   # Linear [out, in], Conv [out, in, k, k]
-    return 0.0, 1.0 / math.sqrt(p[0].numel())
-  return (1.0, 0.1) if name.endswith('.weight') else (0.0, 0.1)   # 1-D weights are norm gains
-
-
-@torch.no_grad()
-def randomize_(module: torch.nn.Module, gen: torch.Generator) -> None:
-  for name, p in module.named_parameters():
-    mean, std = _mean_std(name, p)
-    p.copy_(torch.randn(p.shape, generator=gen) * std + mean)
 
 
 def state_dict_np(module: torch.nn.Module) -> dict:
@@ -145,8 +116,8 @@ def run_depth(args, depth: int, sample: bool) -> list[dict]:
   patch_nums = tuple(args.patch_nums)
   vae, var = build_official(args.official, depth, args.shared_aln, patch_nums)
   gen = torch.Generator().manual_seed(args.seed)
-  randomize_(vae, gen)
-  randomize_(var, gen)
+  randomize_(vae, gen, _TABLES)
+  randomize_(var, gen, _TABLES)
   var_cfg, vq_cfg = our_configs(depth, args.shared_aln, patch_nums)
   var_params = jax.tree_util.tree_map(jnp.asarray, convert_var(state_dict_np(var), var_cfg))
   vq_params = jax.tree_util.tree_map(jnp.asarray, convert_vqvae(state_dict_np(vae), vq_cfg))

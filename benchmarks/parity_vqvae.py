@@ -26,6 +26,7 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from var_models.convert.vqvae import convert_vqvae  # noqa: E402
 from var_models.vqvae import VQVAE, VQVAEConfig  # noqa: E402
+from parity_common import rel_err  # noqa: E402
 
 
 def load_official(path: str):
@@ -50,11 +51,6 @@ def randomise(model: torch.nn.Module, gen: torch.Generator) -> None:
 
 def nhwc(t: torch.Tensor) -> np.ndarray:
   return t.detach().permute(0, 2, 3, 1).numpy()
-
-
-def rel_err(a, ref) -> float:
-  a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-  return float(np.max(np.abs(a - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
 class Report:

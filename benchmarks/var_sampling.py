@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +19,7 @@ import numpy as np
 from var_models.var import VARConfig
 from var_models.var_sampler import make_sampler
 from var_models.vqvae import VQVAEConfig
+from timing import entry_op_counts, time_compiled
 from train.models import init_var_params
 
 
@@ -29,39 +28,15 @@ def cast_var_params(params, dtype):
   return {'var': jax.tree_util.tree_map(lambda p: p.astype(dtype), params['var']), 'vqvae': params['vqvae']}
 
 
-def entry_op_counts(compiled) -> dict:
-  """Instructions of the compiled program's entry computation by opcode (kernel-launch proxy)."""
-  text = compiled.as_text()
-  entry = text[text.index('ENTRY'):]
-  entry = entry[:entry.index('\n}')]
-  counts = {}
-  for line in entry.splitlines()[1:]:
-    if ' = ' in line:
-      rhs = line.split(' = ', 1)[1].split('(', 1)[0].split()
-      op = rhs[-1] if rhs else '?'
-      counts[op] = counts.get(op, 0) + 1
-  return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:8])
-
-
 def time_sampler(sample, params, batch: int, warmup: int, iters: int, hlo_stats: bool = False) -> dict:
   labels = np.arange(batch, dtype=np.int32) % 1000
   opts = dict(cfg=1.5, top_k=900, top_p=0.96)
-  t0 = time.perf_counter()
-  compiled = sample.lower(params, jax.random.key(0), labels, **opts).compile()
-  compile_s = time.perf_counter() - t0
   lab, cfg = jnp.asarray(labels), jnp.float32(opts['cfg'])
-  times = []
-  for i in range(warmup + iters):
-    key = jax.random.key(i)
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(params, key, lab, cfg))
-    if i >= warmup:
-      times.append(time.perf_counter() - t0)
-  med = statistics.median(times)
+  compiled, row = time_compiled(sample.lower(params, jax.random.key(0), labels, **opts),
+                                lambda i: (params, jax.random.key(i), lab, cfg), batch, warmup, iters)
   if hlo_stats:
     print('  entry ops:', entry_op_counts(compiled), flush=True)
-  return dict(compile_s=compile_s, median_ms=med * 1e3, per_image_ms=med * 1e3 / batch,
-              min_ms=min(times) * 1e3, max_ms=max(times) * 1e3)
+  return row
 
 
 def main():

@@ -104,6 +104,13 @@ class _MARSampler:
     return self._jitted(params, key, jnp.asarray(labels, jnp.int32), jnp.float32(cfg),
                         jnp.float32(temperature), cfg_schedule=cfg_schedule)
 
+  def lower(self, params, key, labels, *, cfg: float = 1.0, cfg_schedule: str = 'linear',
+            temperature: float = 1.0):
+    """The lowered program (for compile-time and FLOP accounting)."""
+    check_mar_sample_args(self.cfg, labels, cfg, self.guided, cfg_schedule, temperature)
+    return self._jitted.lower(params, key, jnp.asarray(labels, jnp.int32), jnp.float32(cfg),
+                              jnp.float32(temperature), cfg_schedule=cfg_schedule)
+
   def _sample(self, params, key, labels, cfg, temperature, *, cfg_schedule):
     mc, mp = self.cfg, {'params': params['mar']}
     b, n, d = labels.shape[0], mc.seq_len, mc.token_embed_dim

@@ -1,0 +1,64 @@
+"""MAR sampling speed: MAR-B / MAR-H at 256 px, 64 iterations, 100 diffusion steps, cfg 3.0.
+
+  python benchmarks/mar_sampling.py --sizes base,huge --batches 1,16
+
+Random weights (official init), bf16 compute with float32 parameters, the
+KL-16 decoder included. Compile time apart; medians over --iters calls after
+--warmup calls, each with a fresh key. `--sizes tiny` runs on a CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs import mar as mar_configs
+from timing import time_compiled
+from train import models
+from var_models.mar_sampler import make_mar_sampler
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument('--sizes', default='base,huge')
+  ap.add_argument('--batches', default='1,16')
+  ap.add_argument('--num_iter', type=int, default=64)
+  ap.add_argument('--steps', type=int, default=100, help='diffusion steps')
+  ap.add_argument('--cfg', type=float, default=3.0)
+  ap.add_argument('--dtype', default='bfloat16')
+  ap.add_argument('--backend', default=None, help='attention backend (default: the config)')
+  ap.add_argument('--warmup', type=int, default=2)
+  ap.add_argument('--iters', type=int, default=10)
+  ap.add_argument('--json', default=None)
+  args = ap.parse_args()
+  print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
+  rows = []
+  for size in args.sizes.split(','):
+    config = mar_configs.get_config(size)
+    config.dtype = args.dtype
+    config.attn_backend = args.backend or config.attn_backend
+    mar_cfg, vae_cfg = models.mar_configs(config)
+    params = models.init_mar_params(mar_cfg, vae_cfg, jax.random.key(0))
+    num_iter = min(args.num_iter, mar_cfg.seq_len)
+    sample = make_mar_sampler(mar_cfg, vae_cfg, num_iter=num_iter, guided=args.cfg != 1.0,
+                              num_diffusion_steps=args.steps)
+    for batch in [int(b) for b in args.batches.split(',')]:
+      labels = np.arange(batch, dtype=np.int32) % mar_cfg.class_num
+      lab, cfg, temp = jnp.asarray(labels), jnp.float32(args.cfg), jnp.float32(1.0)
+      _, row = time_compiled(sample.lower(params, jax.random.key(0), labels, cfg=args.cfg),
+                             lambda i: (params, jax.random.key(i), lab, cfg, temp), batch,
+                             args.warmup, args.iters)
+      row = dict(size=size, batch=batch, num_iter=num_iter, steps=args.steps, **row)
+      rows.append(row)
+      print(f"MAR-{size:5} B={batch:<3} compile {row['compile_s']:6.1f} s  median {row['median_ms']:9.1f} ms  "
+            f"per image {row['per_image_ms']:8.2f} ms  [{row['min_ms']:.1f}, {row['max_ms']:.1f}]", flush=True)
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump(rows, f, indent=1)
+
+
+if __name__ == '__main__':
+  main()
