@@ -20,6 +20,7 @@ import jax
 
 from train import grid as grid_lib
 from train import models
+from var_models.labels import check_labels
 from var_models.mar_sampler import check_mar_sample_args, make_mar_sampler
 from var_models.var_sampler import check_sample_args, make_sampler
 
@@ -104,9 +105,7 @@ def main(argv):
     raise ValueError(f'--batch_size must be positive, got {batch}')
   num_classes = config.num_classes if config.family == 'var' else config.model.class_num
   labels = _labels(num_classes, batch)
-  bad = labels[(labels < 0) | (labels >= num_classes)]
-  if bad.size:
-    raise ValueError(f'labels must be in [0, {num_classes}), got {bad[:5].tolist()}')
+  check_labels(labels, num_classes)
   key = jax.random.key(_pick(_SEED, config.sample.seed))
   pkey, key = jax.random.split(key)
   sample, params = _BUILDERS[config.family](config, pkey, batch)

@@ -31,6 +31,7 @@ import numpy as np
 from var_models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
 from var_models.diffloss import diffloss_sample
 from var_models.gaussian_diffusion import create_diffusion
+from var_models.labels import check_labels
 from var_models.mar import MAR, MARConfig, diffloss_net
 
 Array = jax.Array
@@ -65,12 +66,7 @@ def mask_schedule(seq_len: int, num_iter: int) -> MaskSchedule:
 
 def check_mar_sample_args(cfg: MARConfig, labels, guidance: float, guided: bool, cfg_schedule: str,
                           temperature: float) -> None:
-  labels = np.asarray(labels)
-  if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer):
-    raise ValueError(f'labels must be a non-empty 1-D integer array, got shape {labels.shape}')
-  bad = labels[(labels < 0) | (labels >= cfg.class_num)]
-  if bad.size:
-    raise ValueError(f'labels must be in [0, {cfg.class_num}), got {bad[:5].tolist()}')
+  check_labels(labels, cfg.class_num)
   if cfg_schedule not in CFG_SCHEDULES:
     raise ValueError(f'unknown cfg_schedule {cfg_schedule!r}; expected one of {CFG_SCHEDULES}')
   if not np.isfinite(guidance) or (guided and guidance < 1):

@@ -22,6 +22,7 @@ import numpy as np
 
 from var_models import tokens as tok
 from var_models.attention import KVCache
+from var_models.labels import check_labels
 from var_models.policy import BASELINE, ScalePolicy, Step, check_plan
 from var_models.resample import area_resize
 from var_models.var import VAR, VARConfig
@@ -60,12 +61,7 @@ def sample_top_k_top_p(key: Array, logits: Array, top_k: int, top_p: float) -> A
 
 
 def check_sample_args(var_cfg: VARConfig, labels, cfg: float, top_k: int, top_p: float) -> None:
-  labels = np.asarray(labels)
-  if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer):
-    raise ValueError(f'labels must be a non-empty 1-D integer array, got shape {labels.shape} dtype {labels.dtype}')
-  bad = labels[(labels < 0) | (labels >= var_cfg.num_classes)]
-  if bad.size:
-    raise ValueError(f'labels must be in [0, {var_cfg.num_classes}), got {bad[:5].tolist()}')
+  check_labels(labels, var_cfg.num_classes)
   if not np.isfinite(cfg) or cfg < 0:
     raise ValueError(f'cfg must be >= 0, got {cfg}')
   if not 0 <= top_k <= var_cfg.vocab_size:
