@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from state_dict_edits import edit as edit_state_dict
 
 from var_models.autoencoder_kl import KL16, SDXL_F8C4, AutoencoderKL, AutoencoderKLConfig, param_count
 from var_models.conv_vae import AttnBlock
@@ -142,13 +143,7 @@ def test_conv_layouts(converted):
     ('reshape', 'decoder.up.0.block.0.nin_shortcut.weight'),
 ])
 def test_bad_checkpoint_names_the_key(edit, key):
-  sd = official_state_dict(CFG)
-  if edit == 'drop':
-    del sd[key]
-  elif edit == 'extra':
-    sd[key] = np.zeros((3, 1, 1, 1), np.float32)
-  else:
-    sd[key] = sd[key][:-1]
+  sd = edit_state_dict(official_state_dict(CFG), edit, key)
   with pytest.raises(ValueError, match=re.escape(key)):
     convert_autoencoder_kl(sd, CFG)
 

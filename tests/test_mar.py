@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from state_dict_edits import edited
 
 from var_models import mar
 from var_models.convert.mar import convert_mar
@@ -213,15 +214,6 @@ def test_convert_accepts_ddp_prefix():
   jax.tree_util.tree_map(np.testing.assert_array_equal, got, convert_mar(sd, cfg))
 
 
-def _bad(sd, key, value=None):
-  sd = dict(sd)
-  if value is None:
-    del sd[key]
-  else:
-    sd[key] = value
-  return sd
-
-
 @pytest.mark.parametrize('key, make', [
     ('encoder_blocks.1.attn.qkv.bias', None),                                            # missing
     ('diffloss.net.res_blocks.1.mlp.0.weight', None),                                    # missing head key
@@ -233,7 +225,7 @@ def _bad(sd, key, value=None):
 ])
 def test_convert_rejects_bad_key_naming_it(key, make):
   cfg = mar.tiny()
-  sd = _bad(official_state_dict(cfg), key, None if make is None else make(cfg))
+  sd = edited(official_state_dict(cfg), key, None if make is None else make(cfg))
   with pytest.raises(ValueError, match=re.escape(key)):
     convert_mar(sd, cfg)
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from state_dict_edits import edited
 
 from var_models.convert.var import convert_var, infer_var_depth
 from var_models.var import VAR, VARConfig, cross_entropy, init_params, loss_fn, param_count
@@ -210,15 +211,6 @@ def test_infer_var_depth():
     infer_var_depth({'head.weight': 0})
 
 
-def _bad(sd, key, value=None):
-  sd = dict(sd)
-  if value is None:
-    del sd[key]
-  else:
-    sd[key] = value
-  return sd
-
-
 @pytest.mark.parametrize('key, make', [
     ('blocks.1.attn.q_bias', None),                                                  # missing
     ('blocks.0.attn.k_bias', lambda c: np.zeros(c, np.float32)),                     # unexpected
@@ -231,7 +223,7 @@ def _bad(sd, key, value=None):
 ])
 def test_convert_rejects_bad_key_naming_it(key, make):
   cfg = tiny()
-  sd = _bad(official_state_dict(cfg), key, None if make is None else make(cfg.width))
+  sd = edited(official_state_dict(cfg), key, None if make is None else make(cfg.width))
   with pytest.raises(ValueError, match=re.escape(key)):
     convert_var(sd, cfg)
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from state_dict_edits import edit as edit_state_dict
 
 from var_models.convert.vqvae import convert_vqvae
 from var_models.resample import area_matrix, bicubic_matrix
@@ -152,13 +153,7 @@ def test_attention_qkv_split_and_conv_layout(converted):
     ('reshape', 'quantize.embedding.weight'),
 ])
 def test_bad_checkpoint_names_the_key(edit, key):
-  sd = official_state_dict(CFG)
-  if edit == 'drop':
-    del sd[key]
-  elif edit == 'extra':
-    sd[key] = np.zeros((3, 1, 1, 1), np.float32)
-  else:
-    sd[key] = sd[key][:-1]
+  sd = edit_state_dict(official_state_dict(CFG), edit, key)
   with pytest.raises(ValueError, match=re.escape(key)):
     convert_vqvae(sd, CFG)
 
