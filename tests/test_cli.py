@@ -82,11 +82,16 @@ def test_sample_cli_rejects_bad_labels_before_sampling(tmp_path):
   assert not os.path.exists(tmp_path / 'x.png')
 
 
+def _portable(config):
+  config.attn_backend = 'xla'  # the released configs ask for cudnn, which needs a GPU
+  return config
+
+
 def test_every_variant_builds_and_official_ones_match_the_checkpoints():
   for variant in var_configs.VARIANTS:
-    var_cfg, vq_cfg = models.var_configs(var_configs.get_config(variant))
+    var_cfg, vq_cfg = models.var_configs(_portable(var_configs.get_config(variant)))
     assert var_cfg.vocab_size == vq_cfg.vocab_size
-  var_cfg, vq_cfg = models.var_configs(var_configs.get_config('d24'))
+  var_cfg, vq_cfg = models.var_configs(_portable(var_configs.get_config('d24')))
   assert (var_cfg.depth, var_cfg.width, var_cfg.num_heads, vq_cfg.ch, vq_cfg.image_size) == (24, 1536, 24, 160, 256)
 
 
@@ -100,6 +105,12 @@ def test_bad_config_values_name_the_key(key, value, message):
   config[key] = value
   with pytest.raises(ValueError, match=message):
     models.var_configs(config)
+
+
+@pytest.mark.skipif(jax.default_backend() == 'gpu', reason='cudnn is available on a GPU')
+def test_cudnn_backend_without_a_gpu_is_a_clear_error():
+  with pytest.raises(ValueError, match="attn_backend='cudnn' needs an NVIDIA GPU"):
+    models.var_configs(var_configs.get_config('d16'))
 
 
 def test_unknown_variant_is_named():

@@ -25,6 +25,9 @@ def compute_dtype(config) -> Any:
 def _check_backend(config) -> None:
   if config.attn_backend not in attn_lib.backends():
     raise ValueError(f'config.attn_backend must be one of {attn_lib.backends()}, got {config.attn_backend!r}')
+  if config.attn_backend == 'cudnn' and jax.default_backend() != 'gpu':
+    raise ValueError(f"config.attn_backend='cudnn' needs an NVIDIA GPU (this is {jax.default_backend()}): "
+                     "pass --config.attn_backend=xla")
 
 
 def var_configs(config) -> tuple[VARConfig, VQVAEConfig]:
