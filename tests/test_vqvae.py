@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conv_state_dicts import conv, encoder_decoder
 from state_dict_edits import edit as edit_state_dict
 
 from var_models.convert.vqvae import convert_vqvae
@@ -22,77 +23,21 @@ B = 2
 
 # ----- a synthetic checkpoint in the official layout (names and shapes as models/vqvae.py builds them) -----
 
-def _conv(sd, rng, name, c_in, c_out, k):
-  sd[f'{name}.weight'] = (rng.normal(size=(c_out, c_in, k, k)) / np.sqrt(c_in * k * k)).astype(np.float32)
-  sd[f'{name}.bias'] = 0.1 * rng.normal(size=(c_out,)).astype(np.float32)
-
-
-def _norm(sd, rng, name, c):
-  sd[f'{name}.weight'] = (1 + 0.1 * rng.normal(size=(c,))).astype(np.float32)
-  sd[f'{name}.bias'] = 0.1 * rng.normal(size=(c,)).astype(np.float32)
-
-
-def _resnet(sd, rng, name, c_in, c_out):
-  _norm(sd, rng, f'{name}.norm1', c_in)
-  _conv(sd, rng, f'{name}.conv1', c_in, c_out, 3)
-  _norm(sd, rng, f'{name}.norm2', c_out)
-  _conv(sd, rng, f'{name}.conv2', c_out, c_out, 3)
-  if c_in != c_out:
-    _conv(sd, rng, f'{name}.nin_shortcut', c_in, c_out, 1)
-
-
-def _attn(sd, rng, name, c):
-  _norm(sd, rng, f'{name}.norm', c)
-  _conv(sd, rng, f'{name}.qkv', c, 3 * c, 1)
-  _conv(sd, rng, f'{name}.proj_out', c, c, 1)
-
-
-def _mid(sd, rng, name, c, using_attn):
-  _resnet(sd, rng, f'{name}.block_1', c, c)
-  if using_attn:
-    _attn(sd, rng, f'{name}.attn_1', c)
-  _resnet(sd, rng, f'{name}.block_2', c, c)
-
-
 def official_state_dict(cfg: VQVAEConfig, seed: int = 0) -> dict[str, np.ndarray]:
   rng = np.random.default_rng(seed)
   sd: dict[str, np.ndarray] = {}
-  ch, mults, n, cz = cfg.ch, cfg.ch_mult, cfg.num_res_blocks, cfg.z_channels
-  last = len(mults) - 1
-  _conv(sd, rng, 'encoder.conv_in', 3, ch, 3)
-  c = ch
-  for i, m in enumerate(mults):
-    for j in range(n):
-      _resnet(sd, rng, f'encoder.down.{i}.block.{j}', c, ch * m)
-      c = ch * m
-      if i == last and cfg.using_sa:
-        _attn(sd, rng, f'encoder.down.{i}.attn.{j}', c)
-    if i != last:
-      _conv(sd, rng, f'encoder.down.{i}.downsample.conv', c, c, 3)
-  _mid(sd, rng, 'encoder.mid', c, cfg.using_mid_sa)
-  _norm(sd, rng, 'encoder.norm_out', c)
-  _conv(sd, rng, 'encoder.conv_out', c, cz, 3)
-  _conv(sd, rng, 'decoder.conv_in', cz, c, 3)
-  _mid(sd, rng, 'decoder.mid', c, cfg.using_mid_sa)
-  for i in reversed(range(len(mults))):
-    for j in range(n + 1):
-      _resnet(sd, rng, f'decoder.up.{i}.block.{j}', c, ch * mults[i])
-      c = ch * mults[i]
-      if i == last and cfg.using_sa:
-        _attn(sd, rng, f'decoder.up.{i}.attn.{j}', c)
-    if i != 0:
-      _conv(sd, rng, f'decoder.up.{i}.upsample.conv', c, c, 3)
-  _norm(sd, rng, 'decoder.norm_out', c)
-  _conv(sd, rng, 'decoder.conv_out', c, 3, 3)
-  _conv(sd, rng, 'quant_conv', cz, cz, 3)
-  _conv(sd, rng, 'post_quant_conv', cz, cz, 3)
+  cz = cfg.z_channels
+  encoder_decoder(sd, rng, ch=cfg.ch, ch_mult=cfg.ch_mult, num_res_blocks=cfg.num_res_blocks, z_out=cz, z_in=cz,
+                  encoder_attn=cfg.using_sa, decoder_attn=cfg.using_sa, mid_attn=cfg.using_mid_sa, fused_qkv=True)
+  conv(sd, rng, 'quant_conv', cz, cz, 3)
+  conv(sd, rng, 'post_quant_conv', cz, cz, 3)
   sd['quantize.embedding.weight'] = rng.normal(size=(cfg.vocab_size, cz)).astype(np.float32)
   sd['quantize.ema_vocab_hit_SV'] = np.zeros((cfg.num_scales, cfg.vocab_size), np.float32)
   phi_names = {0: [f'quantize.quant_resi.{k}' for k in range(cfg.num_scales)],
                1: ['quantize.quant_resi.qresi']}.get(
                    cfg.share_quant_resi, [f'quantize.quant_resi.qresi_ls.{k}' for k in range(cfg.share_quant_resi)])
   for name in phi_names if abs(cfg.quant_resi) > 1e-6 else []:
-    _conv(sd, rng, name, cz, cz, 3)
+    conv(sd, rng, name, cz, cz, 3)
   return sd
 
 

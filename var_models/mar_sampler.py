@@ -96,16 +96,20 @@ class _MARSampler:
 
   def __call__(self, params, key, labels, *, cfg: float = 1.0, cfg_schedule: str = 'linear',
                temperature: float = 1.0):
-    check_mar_sample_args(self.cfg, labels, cfg, self.guided, cfg_schedule, temperature)
-    return self._jitted(params, key, jnp.asarray(labels, jnp.int32), jnp.float32(cfg),
-                        jnp.float32(temperature), cfg_schedule=cfg_schedule)
+    args, static = self._checked(params, key, labels, cfg, cfg_schedule, temperature)
+    return self._jitted(*args, **static)
 
   def lower(self, params, key, labels, *, cfg: float = 1.0, cfg_schedule: str = 'linear',
             temperature: float = 1.0):
     """The lowered program (for compile-time and FLOP accounting)."""
+    args, static = self._checked(params, key, labels, cfg, cfg_schedule, temperature)
+    return self._jitted.lower(*args, **static)
+
+  def _checked(self, params, key, labels, cfg, cfg_schedule, temperature):
+    """Validates the arguments (before anything compiles) -> (traced args, static kwargs)."""
     check_mar_sample_args(self.cfg, labels, cfg, self.guided, cfg_schedule, temperature)
-    return self._jitted.lower(params, key, jnp.asarray(labels, jnp.int32), jnp.float32(cfg),
-                              jnp.float32(temperature), cfg_schedule=cfg_schedule)
+    return ((params, key, jnp.asarray(labels, jnp.int32), jnp.float32(cfg), jnp.float32(temperature)),
+            dict(cfg_schedule=cfg_schedule))
 
   def _sample(self, params, key, labels, cfg, temperature, *, cfg_schedule):
     mc, mp = self.cfg, {'params': params['mar']}

@@ -110,14 +110,18 @@ class _Sampler:
 
   def __call__(self, params, key: Array, labels, *, cfg: float = 1.5, top_k: int = 0,
                top_p: float = 1.0):
-    check_sample_args(self.var_cfg, labels, cfg, top_k, top_p)
-    return self._jitted(params, key, jnp.asarray(labels, jnp.int32), jnp.float32(cfg),
-                        top_k=int(top_k), top_p=float(top_p))
+    args, static = self._checked(params, key, labels, cfg, top_k, top_p)
+    return self._jitted(*args, **static)
 
   def lower(self, params, key, labels, *, cfg=1.5, top_k=0, top_p=1.0):
     """The lowered program (for compile-time and FLOP accounting)."""
-    return self._jitted.lower(params, key, jnp.asarray(labels, jnp.int32), jnp.float32(cfg),
-                              top_k=int(top_k), top_p=float(top_p))
+    args, static = self._checked(params, key, labels, cfg, top_k, top_p)
+    return self._jitted.lower(*args, **static)
+
+  def _checked(self, params, key, labels, cfg, top_k, top_p):
+    """Validates the arguments (before anything compiles) -> (traced args, static kwargs)."""
+    check_sample_args(self.var_cfg, labels, cfg, top_k, top_p)
+    return (params, key, jnp.asarray(labels, jnp.int32), jnp.float32(cfg)), dict(top_k=int(top_k), top_p=float(top_p))
 
   def _sample(self, params, key, labels, cfg, *, top_k: int, top_p: float):
     vc, sched, policy = self.var_cfg, self.sched, self.policy
