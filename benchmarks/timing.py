@@ -1,6 +1,10 @@
 """Timing compiled samplers: compile apart, median of host-timed calls after warm-up."""
 from __future__ import annotations
 
+import collections
+import glob
+import gzip
+import json
 import statistics
 import time
 from typing import Callable
@@ -40,3 +44,26 @@ def entry_op_counts(compiled) -> dict:
       op = rhs[-1] if rhs else '?'
       counts[op] = counts.get(op, 0) + 1
   return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:8])
+
+
+def top_device_ops(run: Callable[[], None], logdir: str, top: int = 25):
+  """Traces run() with the JAX profiler -> ([(line, op name, total ms, count)] of the `top` ops
+  by time, {line: busy ms}) over the device processes' timeline lines (XLA ops, kernels per
+  stream: each line is a separate view of the same work) of the Perfetto trace."""
+  with jax.profiler.trace(logdir, create_perfetto_trace=True):
+    run()
+  path = sorted(glob.glob(f'{logdir}/**/*.trace.json.gz', recursive=True))[-1]
+  with gzip.open(path) as f:
+    events = json.load(f)['traceEvents']
+  meta = lambda kind: {(e['pid'], e.get('tid')) if kind == 'thread_name' else e['pid']: e['args']['name']
+                       for e in events if e.get('ph') == 'M' and e.get('name') == kind}
+  processes, threads = meta('process_name'), meta('thread_name')
+  device = {pid for pid, name in processes.items() if 'GPU' in name or 'device:' in name}
+  total, count, busy = collections.Counter(), collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get('ph') == 'X' and e.get('pid') in device:
+      line = threads.get((e['pid'], e.get('tid')), str(e.get('tid')))
+      total[line, e['name']] += e.get('dur', 0) / 1e3
+      count[line, e['name']] += 1
+      busy[line] += e.get('dur', 0) / 1e3
+  return [(line, name, ms, count[line, name]) for (line, name), ms in total.most_common(top)], dict(busy)

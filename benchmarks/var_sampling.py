@@ -18,8 +18,8 @@ import numpy as np
 
 from var_models.var import VARConfig
 from var_models.var_sampler import make_sampler
-from var_models.vqvae import VQVAEConfig
-from timing import entry_op_counts, time_compiled
+from var_models.vqvae import VQVAE, VQVAEConfig
+from timing import entry_op_counts, time_compiled, top_device_ops
 from train.models import init_var_params
 
 
@@ -28,7 +28,8 @@ def cast_var_params(params, dtype):
   return {'var': jax.tree_util.tree_map(lambda p: p.astype(dtype), params['var']), 'vqvae': params['vqvae']}
 
 
-def time_sampler(sample, params, batch: int, warmup: int, iters: int, hlo_stats: bool = False) -> dict:
+def time_sampler(sample, params, batch: int, warmup: int, iters: int, hlo_stats: bool = False,
+                 profile: str = '') -> dict:
   labels = np.arange(batch, dtype=np.int32) % 1000
   opts = dict(cfg=1.5, top_k=900, top_p=0.96)
   lab, cfg = jnp.asarray(labels), jnp.float32(opts['cfg'])
@@ -36,6 +37,23 @@ def time_sampler(sample, params, batch: int, warmup: int, iters: int, hlo_stats:
                                 lambda i: (params, jax.random.key(i), lab, cfg), batch, warmup, iters)
   if hlo_stats:
     print('  entry ops:', entry_op_counts(compiled), flush=True)
+  if profile:
+    ops, busy = top_device_ops(lambda: jax.block_until_ready(compiled(params, jax.random.key(7), lab, cfg)),
+                               profile, top=40)
+    print(f'  device lines, busy ms in one call: {busy}', flush=True)
+    for line, name, ms, n in ops:
+      print(f'  {ms:8.2f} ms  x{n:<4} [{line[:20]}] {name[:100]}', flush=True)
+  return row
+
+
+def time_decode(params, batch: int, warmup: int, iters: int) -> dict:
+  """The VQVAE decoder alone (f_hat -> image, bf16 compute), the sampler's last stage."""
+  vq_cfg = VQVAEConfig(dtype=jnp.bfloat16)
+  hw = vq_cfg.patch_nums[-1]
+  f_hat = jax.random.normal(jax.random.key(1), (batch, hw, hw, vq_cfg.z_channels))
+  decode = jax.jit(lambda p, f: VQVAE(vq_cfg).apply({'params': p}, f, method=VQVAE.fhat_to_img))
+  _, row = time_compiled(decode.lower(params['vqvae'], f_hat), lambda i: (params['vqvae'], f_hat + i),
+                         batch, warmup, iters)
   return row
 
 
@@ -49,11 +67,18 @@ def main():
   ap.add_argument('--iters', type=int, default=20)
   ap.add_argument('--json', default=None, help='also write the rows here')
   ap.add_argument('--hlo_stats', action='store_true', help='print the compiled entry ops by kind')
+  ap.add_argument('--profile', default='', help='trace one call into this folder; print the top kernels')
+  ap.add_argument('--decode', action='store_true', help='also time the VQVAE decoder alone per batch')
   args = ap.parse_args()
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   rows = []
   for depth in [int(d) for d in args.depths.split(',')]:
     base = init_var_params(VARConfig(depth=depth), VQVAEConfig(), jax.random.key(depth))
+    if args.decode and depth == int(args.depths.split(',')[0]):
+      for batch in [int(b) for b in args.batches.split(',')]:
+        r = time_decode(base, batch, args.warmup, args.iters)
+        print(f"VQVAE decode B={batch:<3} median {r['median_ms']:8.2f} ms  per image {r['per_image_ms']:7.3f} ms",
+              flush=True)
     for pdt in args.param_dtypes.split(','):
       params = cast_var_params(base, jnp.dtype(pdt))
       for backend in args.backends.split(','):
@@ -61,7 +86,8 @@ def main():
         sample = make_sampler(var_cfg, VQVAEConfig(dtype=jnp.bfloat16))
         for batch in [int(b) for b in args.batches.split(',')]:
           r = dict(depth=depth, backend=backend, param_dtype=pdt, batch=batch,
-                   **time_sampler(sample, params, batch, args.warmup, args.iters, args.hlo_stats))
+                   **time_sampler(sample, params, batch, args.warmup, args.iters, args.hlo_stats,
+                                        args.profile))
           rows.append(r)
           print(f"d{depth:<3} {backend:6} {pdt:9} B={batch:<3} compile {r['compile_s']:6.1f} s  "
                 f"median {r['median_ms']:8.2f} ms  per image {r['per_image_ms']:7.3f} ms  "

@@ -7,6 +7,7 @@ Public API:
   VQVAE, VQVAEConfig                                             -- VAR's multi-scale residual VQVAE
   VAR, VARConfig, init_params, loss_fn                           -- the VAR transformer
   make_sampler, ScalePolicy, Step, BlockHooks                    -- the sampler and its policy hooks
+  MARPolicy, IterPlan                                            -- MAR's sampling policy hooks
   save_params, load_params                                       -- checkpoints on disk
 Converters from the official checkpoints live in `var_models.convert`.
 """
@@ -14,6 +15,7 @@ from var_models import attention
 from var_models.attention import KVCache, ScaleCausal, TokenMask, register_backend
 from var_models.blocks import BlockHooks
 from var_models.checkpoint import load_params, save_params
+from var_models.mar_policy import IterPlan, MARPolicy
 from var_models.policy import ScalePolicy, Step
 from var_models.resample import area_resize, bicubic_resize, nearest_resize, resize
 from var_models.schedules import INFINITY_1024, VAR_256, VAR_512, ScaleSchedule, get_schedule

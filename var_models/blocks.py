@@ -115,17 +115,19 @@ class FFN(nn.Module):
 
 def residual(module: nn.Module, x: Array, branch: Callable, site: str, hooks: Optional['BlockHooks'],
              state: Any, drop_path_rate: float, deterministic: bool):
-  """x + branch(x) through the policy hook point of a block's sub-layer `site`.
+  """x + branch(...) through the policy hook point of a block's sub-layer `site`.
 
-  `branch(h) -> (y, aux)` runs the sub-layer (norm included) on the tokens h it is
-  given. With hooks, only the tokens `hooks.select` picks are forwarded and
+  `branch(h, idx, state) -> (y, aux, state)` runs the sub-layer (norm included) on
+  the tokens h it is given, idx [B, k] their positions in x (None: all of x), and
+  may carry the policy's `state` (an attention sub-layer hands it to `hooks.kv`).
+  With hooks, only the tokens `hooks.select` picks are forwarded and
   `hooks.restore` fills in the others. Returns (x, aux, state).
   """
   if hooks is None:
-    y, aux = branch(x)
+    y, aux, state = branch(x, None, state)
   else:
     idx, state = hooks.select(site, x, state)
-    y, aux = branch(x if idx is None else tok.gather(x, idx))
+    y, aux, state = branch(x if idx is None else tok.gather(x, idx), idx, state)
     y, state = hooks.restore(site, y, idx, x, state)
   return x + drop_path(y, drop_path_rate, deterministic, module), aux, state
 
@@ -187,12 +189,12 @@ class AdaLNSelfAttn(nn.Module):
     """
     g1, g2, s1, s2, b1, b2 = [m[:, None] for m in jnp.moveaxis(mod.astype(self.dtype), 1, 0)]
 
-    def attn_branch(h):
+    def attn_branch(h, idx, state):
       out, new_kv = self.attn(modulate(self.ln(h), s1, b1), mask=mask, kv=kv, deterministic=deterministic)
-      return out * g1, new_kv
+      return out * g1, new_kv, state
 
-    def ffn_branch(h):
-      return self.ffn(modulate(self.ln(h), s2, b2), deterministic) * g2, None
+    def ffn_branch(h, idx, state):
+      return self.ffn(modulate(self.ln(h), s2, b2), deterministic) * g2, None, state
 
     x, new_kv, state = residual(self, x, attn_branch, 'attn', hooks, state, self.drop_path_rate, deterministic)
     x, _, state = residual(self, x, ffn_branch, 'ffn', hooks, state, self.drop_path_rate, deterministic)
@@ -219,6 +221,13 @@ class BlockHooks:
   def select(self, site: str, x: Array, state: Any):
     """Indices [B, k] of the tokens of x [B, l, C] to forward before `site`, or None."""
     return None, state
+
+  def kv(self, k: Array, v: Array, idx: Optional[Array], state: Any):
+    """The keys and values [B, Lk, H, D] the forwarded queries attend to, from those of the
+    forwarded tokens k, v [B, k, H, D] (idx [B, k] their positions, None for all): e.g. a
+    policy's cached K/V of every position with the fresh ones written at idx. The
+    attention mask applies to what this returns."""
+    return k, v, state
 
   def restore(self, site: str, y: Array, idx: Optional[Array], x: Array, state: Any):
     """The branch output for all l tokens from y [B, k, C] of the forwarded ones."""

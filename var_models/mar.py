@@ -154,6 +154,12 @@ def _with_buffer(cfg: MARConfig, mask: Array) -> Array:
   return jnp.concatenate([jnp.zeros((mask.shape[0], cfg.buffer_size), bool), mask.astype(bool)], axis=1)
 
 
+def key_mask(cfg: MARConfig, mask: Array) -> attn_lib.TokenMask:
+  """The encoder's attention mask for mask [B, N] (True = masked): buffer and known tokens
+  are keys, masked ones are not (MAE's dropping, at a static shape)."""
+  return attn_lib.TokenMask(~_with_buffer(cfg, mask)[:, None, None, :])
+
+
 def keep_indices(cfg: MARConfig, mask: Array, n_known: int) -> Array:
   """The kept positions [B, buffer + n_known] (int32, increasing) of buffer + sequence,
   for mask [B, N] with exactly n_known (static) unmasked tokens per row."""
@@ -221,22 +227,19 @@ class MAR(nn.Module):
   def unpatchify(self, tokens: Array) -> Array:
     return unpatchify(self.cfg, tokens)
 
-  def _run(self, blocks, x: Array, mask: attn_lib.Mask, train: bool) -> Array:
+  def _run(self, blocks, x: Array, mask: attn_lib.Mask, train: bool, hooks, state):
     x = x.astype(self.cfg.dtype)
-    for block in blocks:
-      x, _ = block(x, mask=mask, deterministic=not train)
-    return x
+    for i, block in enumerate(blocks):
+      x, state = block(x, mask=mask, hooks=None if hooks is None else hooks[i], state=state,
+                       deterministic=not train)
+    return x, state
 
-  def encode(self, tokens: Array, mask: Optional[Array], class_emb: Array, keep_idx: Optional[Array] = None,
-             train: bool = False) -> Array:
-    """MAE encoder. tokens [B, N, D], mask [B, N] bool (True = masked), class_emb [B, Ce].
+  # ---- the pieces of the encoder and decoder (samplers call them with policy hooks) ----
 
-    Returns [B, K, Ce] for the kept positions keep_idx [B, K] (see `keep_indices`; mask is
-    then unused), or without keep_idx [B, buffer + N, Ce] whose masked positions hold no
-    meaning. In
-    training the class embedding becomes `fake_latent` with probability
-    label_drop_prob per sample (rng 'dropout'), as the official does inside its encoder.
-    """
+  def encoder_input(self, tokens: Array, class_emb: Array, train: bool = False) -> Array:
+    """tokens [B, N, D], class_emb [B, Ce] -> the encoder's input [B, buffer + N, Ce]. In
+    training the class embedding becomes `fake_latent` with probability label_drop_prob per
+    sample (rng 'dropout'), as the official does inside its encoder."""
     cfg = self.cfg
     b = tokens.shape[0]
     if train and cfg.label_drop_prob > 0:
@@ -244,19 +247,18 @@ class MAR(nn.Module):
       class_emb = jnp.where(drop[:, None], self.fake_latent, class_emb)
     buffer = jnp.broadcast_to(class_emb[:, None], (b, cfg.buffer_size, cfg.encoder_embed_dim))
     x = jnp.concatenate([buffer, self.z_proj(tokens)], axis=1) + self.encoder_pos_embed_learned
-    x = self.z_proj_ln(x)
-    if keep_idx is None:
-      attn_mask = attn_lib.TokenMask(~_with_buffer(cfg, mask)[:, None, None, :])
-    else:
-      x, attn_mask = tok.gather(x, keep_idx), None
-    return self.encoder_norm(self._run(self.encoder_blocks, x, attn_mask, train))
+    return self.z_proj_ln(x)
 
-  def decode(self, x: Array, mask: Optional[Array], keep_idx: Optional[Array] = None, train: bool = False) -> Array:
-    """MAE decoder on `encode`'s output -> diffusion condition z [B, N, Cd] (float32).
+  def run_encoder(self, x: Array, mask: attn_lib.Mask = None, hooks=None, state: Any = None,
+                  train: bool = False):
+    """The encoder blocks and norm on x [B, l, Ce] -> (x, state); `hooks` (one `BlockHooks`
+    or None per block) come from a sampling policy and carry its `state`."""
+    x, state = self._run(self.encoder_blocks, x, mask, train, hooks, state)
+    return self.encoder_norm(x), state
 
-    Masked positions get mask_token: those outside keep_idx when it is given (mask is then
-    unused), else those where mask [B, N] is True.
-    """
+  def decoder_input(self, x: Array, mask: Optional[Array], keep_idx: Optional[Array] = None) -> Array:
+    """Encoder output -> the decoder's input [B, buffer + N, Cd]: mask_token at the masked
+    positions (those outside keep_idx when it is given, else where mask [B, N] is True)."""
     cfg = self.cfg
     x = self.decoder_embed(x)
     b, length = x.shape[0], cfg.buffer_size + cfg.seq_len
@@ -265,9 +267,36 @@ class MAR(nn.Module):
       x = jnp.where(_with_buffer(cfg, mask)[..., None], filler, x)
     else:
       x = tok.scatter(filler, keep_idx, x)
-    x = self._run(self.decoder_blocks, x + self.decoder_pos_embed_learned, None, train)
+    return x + self.decoder_pos_embed_learned
+
+  def run_decoder(self, x: Array, hooks=None, state: Any = None, train: bool = False):
+    """The decoder blocks on x [B, buffer + N, Cd] -> (x, state), hooks as `run_encoder`."""
+    return self._run(self.decoder_blocks, x, None, train, hooks, state)
+
+  def decoder_output(self, x: Array) -> Array:
+    """Decoder blocks' output -> the diffusion condition z [B, N, Cd] (float32)."""
     x = self.decoder_norm(x).astype(jnp.float32)
-    return x[:, cfg.buffer_size:] + self.diffusion_pos_embed_learned
+    return x[:, self.cfg.buffer_size:] + self.diffusion_pos_embed_learned
+
+  def encode(self, tokens: Array, mask: Optional[Array], class_emb: Array, keep_idx: Optional[Array] = None,
+             train: bool = False) -> Array:
+    """MAE encoder. tokens [B, N, D], mask [B, N] bool (True = masked), class_emb [B, Ce].
+
+    Returns [B, K, Ce] for the kept positions keep_idx [B, K] (see `keep_indices`; mask is
+    then unused), or without keep_idx [B, buffer + N, Ce] whose masked positions hold no
+    meaning.
+    """
+    x = self.encoder_input(tokens, class_emb, train)
+    if keep_idx is None:
+      attn_mask = key_mask(self.cfg, mask)
+    else:
+      x, attn_mask = tok.gather(x, keep_idx), None
+    return self.run_encoder(x, attn_mask, train=train)[0]
+
+  def decode(self, x: Array, mask: Optional[Array], keep_idx: Optional[Array] = None, train: bool = False) -> Array:
+    """MAE decoder on `encode`'s output -> diffusion condition z [B, N, Cd] (float32)."""
+    x = self.run_decoder(self.decoder_input(x, mask, keep_idx), train=train)[0]
+    return self.decoder_output(x)
 
   def __call__(self, latents: Array, labels: Array, train: bool = True) -> Array:
     """Training loss (scalar) of scaled VAE latents [B, h, w, C] (NHWC) and labels [B].

@@ -17,10 +17,16 @@ count is static, so the iterations are one `lax.scan` over padded shapes:
 With guidance the batch is doubled ([cond; uncond(fake class)]), both halves
 share the diffusion noise, eps = eps_u + s * (eps_c - eps_u), and s is 'linear'
 (1 + (cfg - 1) * (N - mask_len) / N) or 'constant'.
+
+A `policy` (`var_models.mar_policy.MARPolicy`; LazyMAR is one) chooses per
+iteration which tokens each encoder and decoder block forwards, what they attend
+to and restore from its caches, and whether the unconditional half runs; the
+iterations run as one scan per segment of equal static plans.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -32,7 +38,8 @@ from var_models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
 from var_models.diffloss import diffloss_sample
 from var_models.gaussian_diffusion import create_diffusion
 from var_models.labels import check_labels
-from var_models.mar import MAR, MARConfig, diffloss_net
+from var_models.mar import MAR, MARConfig, diffloss_net, key_mask
+from var_models.mar_policy import BASELINE, IterInfo, IterPlan, MARPolicy, check_plans, segments
 
 Array = jax.Array
 CFG_SCHEDULES = ('linear', 'constant')
@@ -85,12 +92,14 @@ def _ranks(order: Array) -> Array:
 
 class _MARSampler:
   def __init__(self, mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, num_iter: int, guided: bool,
-               num_diffusion_steps: Optional[int]):
-    self.cfg, self.guided = mar_cfg, guided
+               num_diffusion_steps: Optional[int], policy: MARPolicy):
+    self.cfg, self.guided, self.policy = mar_cfg, guided, policy
     self.model, self.vae = MAR(mar_cfg), AutoencoderKL(vae_cfg)
     self.head = diffloss_net(mar_cfg)
     self.diffusion = create_diffusion(num_diffusion_steps or mar_cfg.num_sampling_steps)
     self.sched = mask_schedule(mar_cfg.seq_len, num_iter)
+    self.plans = policy.plan(num_iter)
+    check_plans(self.plans, num_iter)
     self.vae_scale = vae_cfg.scaling_factor
     self._jitted = jax.jit(self._sample, static_argnames=('cfg_schedule',))
 
@@ -123,33 +132,47 @@ class _MARSampler:
     s = self.sched
     per_step = (jnp.arange(len(s.masked)), jnp.asarray(s.masked), jnp.asarray(s.mask_len), jnp.asarray(s.n_pred))
 
-    def step(tokens, xs):
+    def step(plan, carry, xs):
       i, masked, mask_len, n_pred = xs
       guidance = cfg if cfg_schedule == 'constant' else 1 + (cfg - 1) * (n - mask_len) / n
-      new = self._iteration(params, jax.random.fold_in(key, i), tokens, rank, order, class_emb,
-                            masked, n_pred, guidance, temperature)
-      return new, None
+      return self._iteration(params, plan, jax.random.fold_in(key, i), carry, rank, order, class_emb,
+                             (i, masked, n_pred), guidance, temperature), None
 
-    tokens, _ = jax.lax.scan(step, jnp.zeros((b, n, d), jnp.float32), per_step)
+    carry = (jnp.zeros((b, n, d), jnp.float32), self.policy.init_state(b, self.guided))
+    for start, end, plan in segments(self.plans):
+      carry, _ = jax.lax.scan(functools.partial(step, plan), carry, tuple(a[start:end] for a in per_step))
+    tokens = carry[0]
     latents = self.model.apply(mp, tokens, method=MAR.unpatchify) / self.vae_scale
     images = self.vae.apply({'params': params['vae']}, latents, method=AutoencoderKL.decode)
     return jnp.clip((images + 1) * 0.5, 0, 1), {'tokens': tokens}
 
-  def _iteration(self, params, key, tokens, rank, order, class_emb, masked, n_pred, guidance,
+  def _iteration(self, params, plan: IterPlan, key, carry, rank, order, class_emb, counts, guidance,
                  temperature):
-    """One MAR iteration: encode the known tokens, decode all, sample the next ones. [B, N, D]."""
-    mp = {'params': params['mar']}
+    """One MAR iteration: encode the known tokens, decode all, sample the next ones.
+    carry = (tokens [B, N, D], policy state); counts = (index, masked, n_pred) of the iteration."""
+    mp, policy = {'params': params['mar']}, self.policy
+    (tokens, state), (i, masked, n_pred) = carry, counts
+    b, n = tokens.shape[:2]
     mask = rank < masked
-    t2, m2 = (jnp.concatenate([tokens, tokens]), jnp.concatenate([mask, mask])) if self.guided else (tokens, mask)
-    z = self.model.apply(mp, self.model.apply(mp, t2, m2, class_emb, method=MAR.encode), m2,
-                         method=MAR.decode)
     idx = self._pred_positions(order, masked, n_pred)
-    gather = jnp.minimum(idx, tokens.shape[1] - 1)
+    state = policy.begin(plan, IterInfo(i, mask, idx), state)
+    rows = 2 * b if self.guided and plan.uncond else b
+    t2, m2 = jnp.tile(tokens, (rows // b, 1, 1)), jnp.tile(mask, (rows // b, 1))
+    x = self.model.apply(mp, t2, class_emb[:rows], method=MAR.encoder_input)
+    x, state = self.model.apply(mp, x, key_mask(self.cfg, m2), policy.encoder_hooks(plan, self.cfg.encoder_depth),
+                                state, method=MAR.run_encoder)
+    x = self.model.apply(mp, x, m2, method=MAR.decoder_input)
+    x, state = self.model.apply(mp, x, policy.decoder_hooks(plan, self.cfg.decoder_depth), state,
+                                method=MAR.run_decoder)
+    z = self.model.apply(mp, x, method=MAR.decoder_output)
+    if self.guided:
+      z, state = policy.guidance(plan, z, state)
+    gather = jnp.minimum(idx, n - 1)
     z_sel = jnp.take_along_axis(z, (jnp.concatenate([gather, gather]) if self.guided else gather)[..., None], axis=1)
     new = self._head_sample(params, key, z_sel.reshape(-1, z.shape[-1]), guidance, temperature)
-    rows = jnp.arange(tokens.shape[0])[:, None]
     # Padding rows carry the out-of-range position N and are dropped.
-    return tokens.at[rows, idx].set(new.reshape(idx.shape + (tokens.shape[-1],)), mode='drop')
+    tokens = tokens.at[jnp.arange(b)[:, None], idx].set(new.reshape(idx.shape + (tokens.shape[-1],)), mode='drop')
+    return tokens, state
 
   def _pred_positions(self, order, masked, n_pred):
     """Positions [B, P] predicted this iteration, ascending as the official nonzero() order;
@@ -168,7 +191,9 @@ class _MARSampler:
 
 
 def make_mar_sampler(mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, *, num_iter: int = 64,
-                     guided: bool = True, num_diffusion_steps: Optional[int] = None):
+                     guided: bool = True, num_diffusion_steps: Optional[int] = None,
+                     policy: MARPolicy = BASELINE):
   """A pure, jit-compiled MAR sampler `sample(params, key, labels, *, cfg, cfg_schedule,
-  temperature) -> (images, aux)`. `guided` (static) doubles the batch for CFG."""
-  return _MARSampler(mar_cfg, vae_cfg, num_iter, guided, num_diffusion_steps)
+  temperature) -> (images, aux)`. `guided` (static) doubles the batch for CFG; `policy`
+  chooses what each iteration computes (the baseline: everything)."""
+  return _MARSampler(mar_cfg, vae_cfg, num_iter, guided, num_diffusion_steps, policy)

@@ -102,7 +102,9 @@ class VAR(nn.Module):
         for i in range(cfg.depth)
     ]
     self.head_nm = AdaLNBeforeHead(c, cfg.norm_eps, scaled(dense_init, cfg.init_adaln))
-    self.head = nn.Dense(cfg.vocab_size, kernel_init=scaled(dense_init, cfg.init_head))
+    # The head's GEMM (C x V per token) runs in the compute dtype, as under the official
+    # fp16 autocast; its AdaLN and the logits stay float32.
+    self.head = nn.Dense(cfg.vocab_size, kernel_init=scaled(dense_init, cfg.init_head), dtype=cfg.dtype)
 
   def _block_ada_init(self, std: float):
     """Gamma rows x init_adaln_gamma, scale/shift rows x init_adaln (official init_weights)."""
@@ -165,7 +167,7 @@ class VAR(nn.Module):
     return x, (None if kvs is None else new_kvs), state
 
   def logits(self, h: Array, cond: Array) -> Array:
-    """AdaLN before head, then the head, in float32. [B, l, C] -> [B, l, V]."""
+    """AdaLN before head (float32), then the head. [B, l, C] -> float32 logits [B, l, V]."""
     return self.head(self.head_nm(h.astype(jnp.float32), cond)).astype(jnp.float32)
 
   # ---- teacher forcing ----

@@ -45,15 +45,22 @@ class Attention(nn.Module):
     self.proj = nn.Dense(self.width, kernel_init=self.kernel_init, dtype=self.dtype)
     self.drop = nn.Dropout(self.proj_drop)
 
-  def __call__(self, x: Array, *, mask: attn_lib.Mask = None, deterministic: bool = True) -> Array:
+  def __call__(self, x: Array, *, mask: attn_lib.Mask = None, kv_hook: Optional[Callable] = None,
+               deterministic: bool = True):
+    """Returns (out, kv_hook's state). `kv_hook(k, v) -> (k, v, state)` replaces the keys
+    and values of x's tokens by what the queries attend to (a policy's cache); without it
+    state is None."""
     b, l, c = x.shape
     h = self.num_heads
     q, k, v = jnp.moveaxis(self.qkv(x).reshape(b, l, 3, h, c // h), 2, 0)
+    state = None
+    if kv_hook is not None:
+      k, v, state = kv_hook(k, v)
     dropping = not deterministic and self.attn_drop > 0
     out = attn_lib.attention(q, k, v, mask=mask, backend=self.backend,
                              dropout_rate=self.attn_drop if dropping else 0.0,
                              dropout_rng=self.make_rng('dropout') if dropping else None)
-    return self.drop(self.proj(out.reshape(b, l, c)), deterministic=deterministic)
+    return self.drop(self.proj(out.reshape(b, l, c)), deterministic=deterministic), state
 
 
 class Mlp(nn.Module):
@@ -103,13 +110,17 @@ class Block(nn.Module):
 
   def __call__(self, x: Array, *, mask: attn_lib.Mask = None, hooks: Optional[BlockHooks] = None,
                state: Any = None, deterministic: bool = True):
-    """Returns (x, state). `mask` applies to the tokens the attention branch is given
-    (all of x unless `hooks` select a subset); hooks carry `state` as in `blocks.residual`."""
-    def attn_branch(h):
-      return self.attn(self.norm1(h), mask=mask, deterministic=deterministic), None
+    """Returns (x, state). `mask` applies to the keys the attention sees: x's tokens, or
+    what `hooks.kv` returns; hooks carry `state` as in `blocks.residual`."""
+    def attn_branch(h, idx, state):
+      if hooks is None:
+        return self.attn(self.norm1(h), mask=mask, deterministic=deterministic)[0], None, state
+      out, state = self.attn(self.norm1(h), mask=mask, kv_hook=lambda k, v: hooks.kv(k, v, idx, state),
+                             deterministic=deterministic)
+      return out, None, state
 
-    def mlp_branch(h):
-      return self.mlp(self.norm2(h), deterministic), None
+    def mlp_branch(h, idx, state):
+      return self.mlp(self.norm2(h), deterministic), None, state
 
     x, _, state = residual(self, x, attn_branch, 'attn', hooks, state, self.drop_path_rate, deterministic)
     x, _, state = residual(self, x, mlp_branch, 'ffn', hooks, state, self.drop_path_rate, deterministic)

@@ -1,0 +1,94 @@
+"""Sampling policies of MAR: what each iteration computes, forwards and caches.
+
+The MAR sampler runs its iterations as segments of equal static *plans*, one
+`lax.scan` per segment, and at every iteration asks its policy:
+  - `plan`: one `IterPlan` per iteration: whether the unconditional half of the
+    CFG batch runs, and a static tag of the policy's own (say, how many tokens the
+    decoder forwards); consecutive equal plans share one compiled scan body;
+  - `begin`: to note the iteration's facts (which tokens are still unknown, which
+    ones it predicts) in the policy's state;
+  - `encoder_hooks` / `decoder_hooks`: per block, which tokens each sub-layer
+    forwards, which keys and values they attend to (`BlockHooks.kv`: the cached
+    K/V of the others) and how the others are restored (cached features);
+  - `guidance`: the unconditional half of the decoder output z when the plan
+    skips it (e.g. cond + a cached uncond - cond delta), and what a full
+    iteration leaves in the cache;
+and carries the policy's `state` (its caches) through the scan as a pytree.
+LazyMAR (`accel`) subclasses `MARPolicy`. The base class is the baseline: every
+token, both halves, no caches; it adds no operation, so a baseline sampler
+compiles to the program of a sampler without hooks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Hashable, Optional, Sequence
+
+import jax
+
+from var_models.blocks import BlockHooks
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class IterPlan:
+  """Static choices of one MAR iteration."""
+  uncond: bool = True      # run the CFG batch's unconditional half (else `guidance` makes it)
+  tag: Hashable = None     # the policy's own static choice for the iteration
+
+
+@dataclasses.dataclass(frozen=True)
+class IterInfo:
+  """What an iteration knows when it starts (traced arrays)."""
+  step: Array        # [] int32, the iteration's index
+  mask: Array        # [B, N] bool, True where the token is still unknown
+  pred_idx: Array    # [B, P] int32, the positions predicted now, padded with N
+
+
+class MARPolicy:
+  """The baseline policy."""
+
+  def plan(self, num_iter: int) -> tuple[IterPlan, ...]:
+    return (IterPlan(),) * num_iter
+
+  def init_state(self, batch: int, guided: bool) -> Any:
+    """The state before the first iteration; `batch` samples (rows are doubled with CFG)."""
+    return None
+
+  def begin(self, plan: IterPlan, info: IterInfo, state: Any) -> Any:
+    return state
+
+  def encoder_hooks(self, plan: IterPlan, depth: int) -> Optional[Sequence[Optional[BlockHooks]]]:
+    """One `BlockHooks` (or None) per encoder block, or None for plain blocks."""
+    return None
+
+  def decoder_hooks(self, plan: IterPlan, depth: int) -> Optional[Sequence[Optional[BlockHooks]]]:
+    """One `BlockHooks` (or None) per decoder block, or None for plain blocks."""
+    return None
+
+  def guidance(self, plan: IterPlan, z: Array, state: Any) -> tuple[Array, Any]:
+    """The decoder output of both CFG halves [2B, N, Cd] from z: [2B, N, Cd] when the plan
+    ran both, [B, N, Cd] (conditional) when it skipped the unconditional half."""
+    if not plan.uncond:
+      raise NotImplementedError(f'{type(self).__name__} skips the unconditional half but does not '
+                                'say how to make it: override `guidance`')
+    return z, state
+
+
+BASELINE = MARPolicy()
+
+
+def check_plans(plans: Sequence[IterPlan], num_iter: int) -> None:
+  if len(plans) != num_iter or not all(isinstance(p, IterPlan) for p in plans):
+    raise ValueError(f'a MAR policy plan must hold one IterPlan per iteration ({num_iter}), got {plans!r}')
+
+
+def segments(plans: Sequence[IterPlan]) -> list[tuple[int, int, IterPlan]]:
+  """Runs [(start, end, plan)] of consecutive equal plans."""
+  runs = []
+  for i, p in enumerate(plans):
+    if runs and runs[-1][2] == p:
+      runs[-1] = (runs[-1][0], i + 1, p)
+    else:
+      runs.append((i, i + 1, p))
+  return runs
