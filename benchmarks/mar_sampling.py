@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import mar as mar_configs
-from timing import time_compiled
+from timing import time_compiled, top_device_ops
 from train import models
 from var_models.mar_sampler import make_mar_sampler
 
@@ -33,6 +33,7 @@ def main():
   ap.add_argument('--warmup', type=int, default=2)
   ap.add_argument('--iters', type=int, default=10)
   ap.add_argument('--json', default=None)
+  ap.add_argument('--profile', default='', help='trace one call into this folder; print the top kernels')
   args = ap.parse_args()
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   rows = []
@@ -48,11 +49,17 @@ def main():
     for batch in [int(b) for b in args.batches.split(',')]:
       labels = np.arange(batch, dtype=np.int32) % mar_cfg.class_num
       lab, cfg, temp = jnp.asarray(labels), jnp.float32(args.cfg), jnp.float32(1.0)
-      _, row = time_compiled(sample.lower(params, jax.random.key(0), labels, cfg=args.cfg),
+      compiled, row = time_compiled(sample.lower(params, jax.random.key(0), labels, cfg=args.cfg),
                              lambda i: (params, jax.random.key(i), lab, cfg, temp), batch,
                              args.warmup, args.iters)
       row = dict(size=size, batch=batch, num_iter=num_iter, steps=args.steps, **row)
       rows.append(row)
+      if args.profile:
+        ops, busy = top_device_ops(lambda: jax.block_until_ready(compiled(params, jax.random.key(9), lab, cfg, temp)),
+                                   args.profile, top=30)
+        print(f'  device lines, busy ms in one call: {busy}', flush=True)
+        for line, name, ms, n in ops:
+          print(f'  {ms:8.2f} ms  x{n:<6} [{line[:12]}] {name[:100]}', flush=True)
       print(f"MAR-{size:5} B={batch:<3} compile {row['compile_s']:6.1f} s  median {row['median_ms']:9.1f} ms  "
             f"per image {row['per_image_ms']:8.2f} ms  [{row['min_ms']:.1f}, {row['max_ms']:.1f}]", flush=True)
   if args.json:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from var_models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
-from var_models.diffloss import diffloss_sample
+from var_models.diffloss import dense_params_in, diffloss_sample
 from var_models.gaussian_diffusion import create_diffusion
 from var_models.labels import check_labels
 from var_models.mar import MAR, MARConfig, diffloss_net, key_mask
@@ -121,6 +121,7 @@ class _MARSampler:
             dict(cfg_schedule=cfg_schedule))
 
   def _sample(self, params, key, labels, cfg, temperature, *, cfg_schedule):
+    params = {**params, 'mar': {**params['mar'], 'diffloss': dense_params_in(params['mar']['diffloss'], self.cfg.dtype)}}
     mc, mp = self.cfg, {'params': params['mar']}
     b, n, d = labels.shape[0], mc.seq_len, mc.token_embed_dim
     key, k_order = jax.random.split(key)
