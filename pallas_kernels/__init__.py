@@ -1,1 +1,21 @@
-"""pallas_kernels: see README.md (lands with its own issue)."""
+"""pallas_kernels: block-sparse cross-scale attention and top-k token gather/scatter.
+
+Kernels in Pallas (Triton lowering on NVIDIA GPUs), their layouts, and the
+plain-jnp references they fall back to elsewhere. Imports jax only.
+NOTES.md beside this file records floors, predictions and measurements.
+"""
+from pallas_kernels.dispatch import IMPLS, override, resolve
+from pallas_kernels.layout import (BlockLayout, csla_layout, default_block, dense_layout,
+                                   layout_density, layout_from_mask, layout_from_rows,
+                                   level_causal_layout, scale_causal_layout, schedule_levels)
+from pallas_kernels.reference import masked_attention, pts_scores
+from pallas_kernels.sparse_attention import block_sparse_attention
+from pallas_kernels.token_gather import gather_rows, pts_topk_gather, token_scatter, topk_gather
+
+__all__ = [
+    'IMPLS', 'override', 'resolve', 'BlockLayout', 'csla_layout', 'default_block',
+    'dense_layout', 'layout_density', 'layout_from_mask', 'layout_from_rows',
+    'level_causal_layout', 'scale_causal_layout', 'schedule_levels', 'masked_attention',
+    'pts_scores', 'block_sparse_attention', 'gather_rows', 'pts_topk_gather', 'token_scatter',
+    'topk_gather',
+]

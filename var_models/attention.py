@@ -57,6 +57,9 @@ def _check(q, k, v, mask) -> None:
 def _dense_backend(implementation: Optional[str]) -> Backend:
   def run(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
     dense = None if mask is None else jnp.asarray(mask.dense())
+    if dense is not None and implementation == 'cudnn':
+      # cuDNN takes a mask only with both sequence axes full (e.g. not a [B, 1, 1, Lk] key mask).
+      dense = jnp.broadcast_to(dense, dense.shape[:2] + (q.shape[1], k.shape[1]))
     lengths = None if kv_len is None else jnp.full((q.shape[0],), kv_len, jnp.int32)
     return jax.nn.dot_product_attention(
         q, k, v, mask=dense, scale=scale, key_value_seq_lengths=lengths,
@@ -64,9 +67,27 @@ def _dense_backend(implementation: Optional[str]) -> Backend:
   return run
 
 
+def _pallas_backend(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
+  """pallas_kernels' block-sparse attention: skips the tiles a ScaleCausal mask or a
+  kv_len excludes. TokenMask (possibly traced, per batch) and head dims or dtypes
+  the kernel does not take go to xla."""
+  import pallas_kernels as pk
+  d = q.shape[-1]
+  if (isinstance(mask, TokenMask) or d < 16 or d & (d - 1)
+      or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16)):
+    return _BACKENDS['xla'](q, k, v, mask, scale, kv_len)
+  bq, bk = pk.default_block(q.shape[1]), pk.default_block(k.shape[1])
+  if isinstance(mask, ScaleCausal):
+    layout = pk.level_causal_layout(mask.q_levels, mask.k_levels, bq, bk)
+  else:
+    layout = pk.dense_layout(q.shape[1], k.shape[1], bq, bk, kv_len)
+  return pk.block_sparse_attention(q, k, v, layout, scale=scale)
+
+
 _BACKENDS: dict[str, Backend] = {
     'xla': _dense_backend('xla'),
     'cudnn': _dense_backend('cudnn'),
+    'pallas': _pallas_backend,
 }
 
 

@@ -1,0 +1,367 @@
+"""Kernel benchmarks of pallas_kernels (issue 6), side by side in one run.
+
+(a) SparVAR's Table 1 shape (bf16, q 4096, kv 10521, head dim 128, 24 heads):
+    the CSLA layout (sinks: scales <= 5; windows 3, 5, 7 on the last three
+    scales; 128-token tiles) against cuDNN without a mask and our kernel with
+    the dense layout; achieved fraction of the ideal speedup 1 / density.
+(b) Scale-causal training attention, forward and forward+backward, at VAR-d16
+    256 px (L 680) and the 13-scale 1024 px schedule (L 10521), against cuDNN
+    with the explicit mask and XLA.
+(c) Top-k gather/scatter on FastVAR's Infinity-2B shapes (width 2048, the 32x32
+    and 40x40 scales) against lax.top_k + take_along_axis + scatter in XLA,
+    with bandwidth against the measured device copy bandwidth.
+
+Every kernel is first checked against a float32 XLA computation on the same
+bf16 inputs (relative L2 error). Times: medians over repetitions of many
+back-to-back calls (inputs rotated beyond L2) after warm-up; compile apart.
+Usage (GPU): PYTHONPATH=. python3 benchmarks/kernels.py [--only a,b,c]
+CPU smoke run of the script itself (tiny shapes, interpret mode): --smoke
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+from pallas_kernels import reference
+
+INFINITY_1024 = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
+VAR_256 = (1, 2, 3, 4, 5, 6, 8, 10, 13, 16)
+
+
+# ------------------------------------------------------------------ measuring
+def timeit(fn, arg_sets, calls: int, reps: int = 5, warmup: int = 3, donate=()):
+  """(compile s, median ms per call) of jit(fn) over back-to-back calls on rotating inputs.
+
+  With `donate`, those arguments are donated and each call's outputs (one per
+  donated argument, in order) replace them in their input set (in-place kernels).
+  """
+  jitted = jax.jit(fn, donate_argnums=donate)
+  t0 = time.perf_counter()
+  compiled = jitted.lower(*arg_sets[0]).compile()
+  compile_s = time.perf_counter() - t0
+  sets = [list(a) for a in arg_sets]
+
+  def run(n):
+    out = None
+    for i in range(n):
+      args = sets[i % len(sets)]
+      out = compiled(*args)
+      for pos, o in zip(donate, out if isinstance(out, (list, tuple)) else [out]):
+        args[pos] = o
+    jax.block_until_ready(out)
+
+  run(warmup)
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    run(calls)
+    times.append((time.perf_counter() - t0) / calls * 1e3)
+  return compile_s, statistics.median(times)
+
+
+def rel_err(got, want) -> float:
+  got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+  want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
+  if not np.isfinite(got).all():
+    return float('nan')
+  return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def ceilings(smoke: bool) -> dict:
+  """Measured device copy bandwidth (bytes read + written) and bf16 matmul rate."""
+  n = 1 << (16 if smoke else 29)                       # 1 GiB of bf16
+  xs = [jnp.ones((n,), jnp.bfloat16) * (i + 1) for i in range(2)]
+  _, ms = timeit(lambda x: -x, [(x,) for x in xs], calls=4 if smoke else 20)
+  copy_gbs = 2 * n * 2 / (ms * 1e-3) / 1e9
+  m = 256 if smoke else 8192
+  key = jax.random.key(0)
+  a = [jax.random.normal(jax.random.fold_in(key, i), (m, m), jnp.bfloat16) for i in range(2)]
+  _, ms = timeit(lambda x, y: x @ y, [(a[0], a[1]), (a[1], a[0])], calls=4 if smoke else 20)
+  tflops = 2 * m ** 3 / (ms * 1e-3) / 1e12
+  return dict(copy_gbs=copy_gbs, tflops=tflops)
+
+
+def floor_ms(flops: float, nbytes: float, ceil: dict) -> tuple[float, float]:
+  return flops / (ceil['tflops'] * 1e12) * 1e3, nbytes / (ceil['copy_gbs'] * 1e9) * 1e3
+
+
+def table(title, header, rows):
+  print(f'\n### {title}\n')
+  print('| ' + ' | '.join(header) + ' |')
+  print('| ' + ' | '.join('---' for _ in header) + ' |')
+  for r in rows:
+    print('| ' + ' | '.join(f'{c:.4g}' if isinstance(c, float) else str(c) for c in r) + ' |')
+
+
+def _normal(key, shape, dtype=jnp.bfloat16):
+  return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def _qkv_sets(b, lq, lk, h, d, n_sets, seed=0):
+  key = jax.random.key(seed)
+  out = []
+  for i in range(n_sets):
+    kq, kk, kv = jax.random.split(jax.random.fold_in(key, i), 3)
+    out.append((_normal(kq, (b, lq, h, d)), _normal(kk, (b, lk, h, d)), _normal(kv, (b, lk, h, d))))
+  return out
+
+
+def _xla_f32(q, k, v, mask):
+  f = lambda a: a.astype(jnp.float32)
+  return jax.nn.dot_product_attention(f(q), f(k), f(v), mask=mask, implementation='xla')
+
+
+# -------------------------------------------------------------------------- (a)
+def bench_csla(args, ceil):
+  smoke = args.smoke
+  pns = (1, 2, 4, 6, 8) if smoke else INFINITY_1024
+  b, h, d = 1, (2 if smoke else 24), (16 if smoke else 128)
+  blk = 16 if smoke else 128
+  sparse = pk.csla_layout(pns, sink_scales=2 if smoke else 5, windows=(3, 5, 7),
+                          block_q=blk, block_k=blk)
+  lq, lk = sparse.lq, sparse.lk
+  dense = pk.dense_layout(lq, lk, blk, blk)
+  density = pk.layout_density(sparse)
+  sets = _qkv_sets(b, lq, lk, h, d, 2)
+  impl = 'interpret' if smoke else 'triton'
+
+  q, k, v = sets[0]
+  mask = jnp.asarray(sparse.dense())[None]
+  errs = {
+      'pallas csla': rel_err(pk.block_sparse_attention(q, k, v, sparse, impl=impl),
+                             _xla_f32(q, k, v, mask)),
+      'pallas dense': rel_err(pk.block_sparse_attention(q, k, v, dense, impl=impl),
+                              _xla_f32(q, k, v, None)),
+  }
+  variants = {'pallas dense': lambda q, k, v: pk.block_sparse_attention(q, k, v, dense, impl=impl)}
+  if not smoke:
+    variants['cudnn dense (no mask)'] = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, implementation='cudnn')
+    errs['cudnn dense (no mask)'] = rel_err(variants['cudnn dense (no mask)'](q, k, v),
+                                            _xla_f32(q, k, v, None))
+  for warps in ((4, 8) if not smoke else (4,)):
+    for stages in ((2, 3) if not smoke else (2,)):
+      variants[f'pallas csla w{warps} s{stages}'] = (
+          lambda q, k, v, w=warps, s=stages: pk.block_sparse_attention(
+              q, k, v, sparse, impl=impl, num_warps=w, num_stages=s))
+  calls = 2 if smoke else 50
+  res = {name: timeit(fn, sets, calls) for name, fn in variants.items()}
+  del mask
+
+  tiles = int(sparse.kv_count.sum()) * blk * blk
+  flops = 4 * b * h * d * tiles
+  kv_blocks = len(np.unique(np.concatenate([sparse.kv_ids[0, u, :c] for u, c in
+                                            enumerate(sparse.kv_count[0])])))
+  nbytes = 2 * (2 * b * lq * h * d + 2 * b * min(kv_blocks * blk, lk) * h * d)
+  f_ms, b_ms = floor_ms(flops, nbytes, ceil)
+  dense_flops_ms, _ = floor_ms(4 * b * h * d * lq * lk, 0, ceil)
+  best = min((n for n in res if n.startswith('pallas csla')), key=lambda n: res[n][1])
+  base = res.get('cudnn dense (no mask)', res['pallas dense'])[1]
+  rows = []
+  for name, (cs, ms) in res.items():
+    ideal = res['pallas dense'][1] / ms * density if name.startswith('pallas csla') else ''
+    rows.append((name, ms, base / ms, ideal, errs.get(name, errs.get(name.split(' w')[0], '')), cs))
+  print(f'\n(a) CSLA: q {lq}, kv {lk}, {h} heads, head dim {d}, bf16, batch {b}; tile density '
+        f'{density:.4f} (ideal speedup {1 / density:.2f}x); best variant: {best}')
+  print(f'floor of the CSLA layout: {f_ms:.4f} ms of matmul, {b_ms:.4f} ms of bytes; '
+        f'dense matmul floor {dense_flops_ms:.4f} ms')
+  table('(a) SparVAR Table 1 shape', ['variant', 'median ms', 'speedup vs cudnn dense',
+                                     'fraction of ideal (vs pallas dense)', 'rel err',
+                                     'compile s'], rows)
+
+
+# -------------------------------------------------------------------------- (b)
+def _train_variants(mask_np, layout, impl, smoke, bwd_configs):
+  mask = jnp.asarray(mask_np)[None, None]
+  fwd = {'pallas': lambda q, k, v: pk.block_sparse_attention(q, k, v, layout, impl=impl)}
+  for cfg in bwd_configs:   # e.g. '32x64w4': backward sub-blocks and warps
+    blocks, warps = cfg.split('w')
+    sq, sk = (int(x) for x in blocks.split('x'))
+    fwd[f'pallas bwd {cfg}'] = lambda q, k, v, sq=sq, sk=sk, w=int(warps): (
+        pk.block_sparse_attention(q, k, v, layout, impl=impl, bwd_block_q=sq, bwd_block_k=sk,
+                                  bwd_num_warps=w))
+  fwd['xla + mask'] = lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, mask=mask, implementation='xla')
+  if not smoke:
+    fwd['cudnn + mask'] = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, mask=mask, implementation='cudnn')
+    fwd['cudnn + mask, padded to 128'] = _padded_cudnn(mask_np)
+  return fwd
+
+
+def _padded_cudnn(mask_np):
+  """cuDNN with an explicit mask at a length it takes: keys padded to a multiple of 128
+  and masked out; padded queries see key 0; the output is cut back (pads included in time)."""
+  n = mask_np.shape[0]
+  p = -(-n // 128) * 128
+  padded = np.zeros((p, p), bool)
+  padded[:n, :n] = mask_np
+  padded[n:, 0] = True
+  mask = jnp.asarray(padded)[None, None]
+
+  def run(q, k, v):
+    pad = lambda a: jnp.pad(a, ((0, 0), (0, p - n), (0, 0), (0, 0)))
+    return jax.nn.dot_product_attention(pad(q), pad(k), pad(v), mask=mask,
+                                        implementation='cudnn')[:, :n]
+  return run
+
+
+def _fwd_bwd(f):
+  def run(q, k, v, g):
+    out, vjp = jax.vjp(f, q, k, v)
+    return vjp(g)
+  return run
+
+
+def bench_training(args, ceil):
+  smoke = args.smoke
+  configs = ([('tiny', (1, 2, 3, 5), 2, 2, 16)] if smoke else
+             [('VAR-d16 256px', VAR_256, 32, 16, 64), ('1024px 13 scales', INFINITY_1024, 2, 16, 128)])
+  impl = 'interpret' if smoke else 'triton'
+  for name, pns, b, h, d in configs:
+    blk = 16 if smoke else 128
+    layout = pk.scale_causal_layout(pns, blk, blk)
+    levels = pk.schedule_levels(pns)
+    mask_np = levels[:, None] >= levels[None]
+    L = len(levels)
+    sets = _qkv_sets(b, L, L, h, d, 2, seed=1)
+    gs = [_normal(jax.random.key(10 + i), (b, L, h, d)) for i in range(2)]
+    fwd = _train_variants(mask_np, layout, impl, smoke,
+                          [c for c in args.bwd_configs.split(',') if c])
+
+    # Checks on one batch row (the f32 XLA reference of L 10521 is large).
+    q, k, v = (a[:1] for a in sets[0])
+    g = gs[0][:1]
+    ref_out, ref_vjp = jax.vjp(lambda *a: _xla_f32(*a, jnp.asarray(mask_np)[None, None]), q, k, v)
+    ref_grads = ref_vjp(g.astype(jnp.float32))
+    errs = {}
+    for vname, f in list(fwd.items()):
+      try:
+        out, vjp = jax.vjp(jax.jit(f), q, k, v)
+        errs[vname] = [rel_err(out, ref_out)] + [rel_err(a, r) for a, r in zip(vjp(g), ref_grads)]
+      except Exception as e:  # e.g. cuDNN refuses a masked length
+        print(f'{vname} at L {L} failed its check: {type(e).__name__}: {str(e)[:300]}')
+        del fwd[vname]
+    del ref_out, ref_vjp, ref_grads
+
+    calls = 2 if smoke else (20 if L > 4000 else 50)
+    rows = []
+    for vname, f in fwd.items():
+      try:
+        cf, tf = timeit(f, sets, calls)
+        cb, tb = timeit(_fwd_bwd(f), [s + (gg,) for s, gg in zip(sets, gs)], calls)
+      except Exception as e:  # e.g. XLA's dense logits out of memory at L 10521
+        print(f'{vname} at L {L} failed: {type(e).__name__}: {str(e)[:300]}')
+        continue
+      rows.append((vname, tf, tb, cf + cb, ' / '.join(f'{e:.1e}' for e in errs[vname])))
+    others = [r[2] for r in rows if not r[0].startswith('pallas')]
+    mine = sorted(r[2] for r in rows if r[0].startswith('pallas'))
+    speedup = f'{min(others) / mine[0]:.2f}x' if others and mine else 'n/a'
+    density = pk.layout_density(layout)
+    flops_fwd = 4 * b * h * d * int(layout.kv_count.sum()) * blk * blk
+    # Bytes: q, k, v read and o written (forward); q, k, v, o, dO read and dq, dk,
+    # dv written (backward): 12 tensors of [B, L, H, D] bf16.
+    f_ms, b_ms = floor_ms(3.5 * flops_fwd, 12 * b * L * h * d * 2, ceil)
+    print(f'\n(b) {name}: L {L}, batch {b}, {h} heads, head dim {d}, bf16; tile density '
+          f'{density:.4f}; fwd+bwd floor {f_ms:.4f} ms matmul (3.5x forward FLOPs), '
+          f'{b_ms:.4f} ms bytes; pallas fwd+bwd speedup over the best other: {speedup}')
+    table(f'(b) scale-causal training attention, {name}',
+          ['variant', 'fwd ms', 'fwd+bwd ms', 'compile s', 'rel err out / dq / dk / dv'], rows)
+
+
+# -------------------------------------------------------------------------- (c)
+def grouped(fn, sets, group: int):
+  """fn over `group` input sets in one program (one host dispatch for `group` kernels),
+  so small kernels are timed on the device rather than by the host's dispatch rate."""
+  n = len(sets[0])
+
+  def many(*flat):
+    return [fn(*flat[i * n:(i + 1) * n]) for i in range(group)]
+  return many, [sum(sets[i:i + group], ()) for i in range(0, len(sets) - group + 1, group)]
+
+
+def timeit_grouped(fn, sets, group, calls, donate=()):
+  many, flat_sets = grouped(fn, sets, group)
+  donated = tuple(i * len(sets[0]) + d for i in range(group) for d in donate)
+  cs, ms = timeit(many, flat_sets, max(1, calls // group), donate=donated)
+  return cs, ms / group
+
+
+def bench_gather(args, ceil):
+  smoke = args.smoke
+  impl = 'interpret' if smoke else 'triton'
+  c = 64 if smoke else 2048
+  shapes = [(2, 64, 30)] if smoke else [(b, n, k) for b in (2, 32)
+                                        for n, k in ((1024, 614), (1600, 800))]
+  rows = []
+  for b, n, k in shapes:
+    n_sets = max(2, int(np.ceil(200e6 / (b * n * c * 2))))
+    group = 8 if b * n * c * 2 < 32e6 else 1
+    n_sets = -(-n_sets // group) * group
+    key = jax.random.key(3)
+    xs = [_normal(jax.random.fold_in(key, i), (b, n, c)) for i in range(n_sets)]
+    scores = [reference.pts_scores(x) for x in xs]
+    idx = [jax.lax.top_k(s, k)[1] for s in scores]
+    new = [_normal(jax.random.fold_in(key, 100 + i), (b, k, c)) for i in range(n_sets)]
+
+    ours_g = lambda x, i: pk.gather_rows(x, i, impl=impl)
+    xla_g = reference.gather_rows
+    ours_s = lambda base, r, i: pk.token_scatter(base, r, i, impl=impl)
+    xla_s = reference.scatter_rows
+    ok_g = bool((np.asarray(ours_g(xs[0], idx[0])) == np.asarray(xla_g(xs[0], idx[0]))).all())
+    ok_s = bool((np.asarray(ours_s(xs[0] * 1, new[0], idx[0]))
+                 == np.asarray(xla_s(xs[0], new[0], idx[0]))).all())
+    calls = 2 if smoke else 200
+    moved = 2 * b * k * c * 2 + b * k * 4
+    t = lambda fn, sets, **kw: timeit_grouped(fn, sets, group, calls, **kw)
+    timings = {
+        'gather pallas': t(ours_g, list(zip(xs, idx))),
+        'gather xla': t(xla_g, list(zip(xs, idx))),
+        'top-k + gather pallas': t(lambda x, s: pk.topk_gather(x, s, k, impl=impl),
+                                   list(zip(xs, scores))),
+        'top-k + gather xla': t(lambda x, s: xla_g(x, jax.lax.top_k(s, k)[1]),
+                                list(zip(xs, scores))),
+        'scatter pallas (in place)': t(ours_s, [(x * 1, r, i) for x, r, i in zip(xs, new, idx)],
+                                       donate=(0,)),
+        'scatter xla (in place)': t(xla_s, [(x * 1, r, i) for x, r, i in zip(xs, new, idx)],
+                                    donate=(0,)),
+    }
+    for vname, (_, ms) in timings.items():
+      gbs = moved / (ms * 1e-3) / 1e9 if 'top-k' not in vname else float('nan')
+      ok = ok_g if 'gather' in vname else ok_s
+      rows.append((f'B {b}, N {n}, k {k}', vname, group, ms * 1e3, gbs, gbs / ceil['copy_gbs'],
+                   ok))
+  table(f'(c) top-k gather/scatter, C {c}, bf16 (bandwidth: 2 x k x C x 2 B + indices; '
+        f'device copy {ceil["copy_gbs"]:.0f} GB/s)',
+        ['shape', 'variant', 'kernels per dispatch', 'median us per kernel', 'GB/s',
+         'fraction of copy', 'exact'], rows)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--only', default='a,b,c')
+  p.add_argument('--smoke', action='store_true', help='tiny shapes, interpret mode (CPU)')
+  p.add_argument('--bwd_configs', default='',
+                 help="extra backward variants for (b), e.g. '32x64w4,64x128w8'")
+  args = p.parse_args()
+  print(f'devices: {jax.devices()}; jax {jax.__version__}')
+  ceil = ceilings(args.smoke)
+  print(f'measured ceilings: copy {ceil["copy_gbs"]:.0f} GB/s (read + write), '
+        f'bf16 matmul {ceil["tflops"]:.0f} TFLOP/s')
+  parts = dict(a=bench_csla, b=bench_training, c=bench_gather)
+  for part in args.only.split(','):
+    try:
+      parts[part](args, ceil)
+    except Exception:  # report and go on: one lease runs every part
+      print(f'\n({part}) FAILED:\n{traceback.format_exc()}')
+
+
+if __name__ == '__main__':
+  main()
