@@ -10,7 +10,8 @@ import pytest
 
 from var_models.convert.common import StateDictReader
 from var_models.convert.diffloss import convert_diffloss
-from var_models.diffloss import (DiffLossConfig, SimpleMLPAdaLN, diffloss_loss, diffloss_sample, init_diffloss)
+from var_models.diffloss import (DiffLossConfig, SimpleMLPAdaLN, diffloss_loss, diffloss_sample, init_diffloss,
+                                 merged_adaln)
 from var_models.gaussian_diffusion import create_diffusion, space_timesteps
 
 T = 1000
@@ -338,6 +339,18 @@ def test_net_matches_numpy_forward(converted):
   want = ref_net(sd, CFG, x, t, c)
   assert got.shape == (6, 8) and got.dtype == jnp.float32
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_merged_adaln_gemm_equals_the_per_block_linears(converted):
+  _, params = converted
+  rng = np.random.default_rng(3)
+  x, c = rng.standard_normal((6, 4)).astype(np.float32), rng.standard_normal((6, 8)).astype(np.float32)
+  t = np.array([0, 1, 10, 500, 990, 999])
+  net = CFG.make_net()
+  kernel, bias = merged_adaln(params)
+  assert kernel.shape == (CFG.width, (3 * CFG.depth + 2) * CFG.width) and bias.shape == kernel.shape[1:]
+  np.testing.assert_allclose(net.apply({'params': params}, x, t, c, (kernel, bias)),
+                             net.apply({'params': params}, x, t, c), rtol=1e-6, atol=1e-6)
 
 
 def test_forward_with_cfg_semantics(converted):

@@ -19,6 +19,7 @@ from typing import Any, Optional, Union
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from var_models.gaussian_diffusion import GaussianDiffusion, SampleModelFn, create_diffusion
 
@@ -63,8 +64,10 @@ class ResBlock(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: Array, y: Array) -> Array:
-    mod = _dense(3 * self.width, 'adaLN_modulation_1', self.dtype, _zeros)(nn.silu(y))
+  def __call__(self, x: Array, y: Array, mod: Optional[Array] = None) -> Array:
+    """mod [N, 3w]: this block's adaLN output when the caller computed it (see `merged_adaln`)."""
+    if mod is None:
+      mod = _dense(3 * self.width, 'adaLN_modulation_1', self.dtype, _zeros)(nn.silu(y))
     shift, scale, gate = jnp.split(mod, 3, axis=-1)
     h = nn.LayerNorm(epsilon=1e-6, use_fast_variance=False, dtype=self.dtype, name='in_ln')(x)
     h = _dense(self.width, 'mlp_0', self.dtype)(modulate(h, shift, scale))
@@ -79,12 +82,25 @@ class FinalLayer(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: Array, y: Array) -> Array:
-    mod = _dense(2 * self.width, 'adaLN_modulation_1', self.dtype, _zeros)(nn.silu(y))
+  def __call__(self, x: Array, y: Array, mod: Optional[Array] = None) -> Array:
+    if mod is None:
+      mod = _dense(2 * self.width, 'adaLN_modulation_1', self.dtype, _zeros)(nn.silu(y))
     shift, scale = jnp.split(mod, 2, axis=-1)
     h = nn.LayerNorm(epsilon=1e-6, use_scale=False, use_bias=False, use_fast_variance=False,
                      dtype=self.dtype)(x)
     return _dense(self.out_channels, 'linear', self.dtype, _zeros)(modulate(h, shift, scale))
+
+
+def merged_adaln(params) -> tuple[Array, Array]:
+  """Every res block's and the final layer's adaLN Linear, concatenated (they all read the same
+  SiLU(y)): (kernel [w, (3 depth + 2) w], bias). One GEMM then replaces depth + 1; built once
+  outside a sampling loop, it also keeps XLA from re-concatenating the weights at every step
+  when it merges those GEMMs itself."""
+  depth = sum(1 for k in params if k.startswith('res_blocks_'))
+  layers = [params[f'res_blocks_{i}']['adaLN_modulation_1'] for i in range(depth)]
+  layers.append(params['final_layer']['adaLN_modulation_1'])
+  return (jnp.concatenate([l['kernel'] for l in layers], axis=1),
+          jnp.concatenate([l['bias'] for l in layers]))
 
 
 class SimpleMLPAdaLN(nn.Module):
@@ -106,18 +122,26 @@ class SimpleMLPAdaLN(nn.Module):
     self.res_blocks = [ResBlock(w, dt) for _ in range(self.num_res_blocks)]
     self.final_layer = FinalLayer(w, self.out_channels, dt)
 
-  def __call__(self, x: Array, t: Array, c: Array) -> Array:
+  def __call__(self, x: Array, t: Array, c: Array, adaln: Optional[tuple[Array, Array]] = None) -> Array:
+    """adaln: `merged_adaln(params)`, to run every adaLN Linear as one GEMM (the same values)."""
     h = self.input_proj(x)
     y = self.time_embed(t) + self.cond_embed(c)
-    for block in self.res_blocks:
-      h = block(h, y)
-    return self.final_layer(h, y).astype(jnp.float32)
+    mods = [None] * (self.num_res_blocks + 1)
+    if adaln is not None:
+      kernel, bias = adaln
+      w = self.model_channels
+      out = jnp.dot(nn.silu(y).astype(self.dtype), kernel.astype(self.dtype)) + bias.astype(self.dtype)
+      mods = jnp.split(out, np.cumsum([3 * w] * self.num_res_blocks), axis=-1)
+    for block, mod in zip(self.res_blocks, mods):
+      h = block(h, y, mod)
+    return self.final_layer(h, y, mods[-1]).astype(jnp.float32)
 
-  def forward_with_cfg(self, x: Array, t: Array, c: Array, cfg_scale) -> Array:
+  def forward_with_cfg(self, x: Array, t: Array, c: Array, cfg_scale,
+                       adaln: Optional[tuple[Array, Array]] = None) -> Array:
     """Batch = [cond; uncond] halves. Both halves are denoised from the cond half's x; both
     get eps = uncond + cfg_scale * (cond - uncond); the variance channels pass through per row."""
     half = x[: x.shape[0] // 2]
-    out = self(jnp.concatenate([half, half], axis=0), t, c)
+    out = self(jnp.concatenate([half, half], axis=0), t, c, adaln)
     eps, rest = out[:, :self.in_channels], out[:, self.in_channels:]
     cond, uncond = jnp.split(eps, 2, axis=0)
     guided = uncond + cfg_scale * (cond - uncond)
@@ -183,10 +207,13 @@ def diffloss_loss(net: SimpleMLPAdaLN, params, target: Array, z: Array, mask: Op
 
 def diffloss_model_fn(net: SimpleMLPAdaLN, params, z: Array, cfg_scale, guided: bool) -> SampleModelFn:
   """model_fn(x, t_model, i) for `p_sample_loop`: the plain net, or with `guided` (z = [cond;
-  uncond]) `forward_with_cfg` at the (possibly traced) cfg_scale. The step index is unused here."""
+  uncond]) `forward_with_cfg` at the (possibly traced) cfg_scale. The step index is unused here.
+  The adaLN weights are merged here, outside the loop that calls model_fn."""
+  adaln = merged_adaln(params)
   if guided:
-    return lambda x, t, i: net.apply({'params': params}, x, t, z, cfg_scale, method=SimpleMLPAdaLN.forward_with_cfg)
-  return lambda x, t, i: net.apply({'params': params}, x, t, z)
+    return lambda x, t, i: net.apply({'params': params}, x, t, z, cfg_scale, adaln,
+                                     method=SimpleMLPAdaLN.forward_with_cfg)
+  return lambda x, t, i: net.apply({'params': params}, x, t, z, adaln)
 
 
 def diffloss_sample(net: SimpleMLPAdaLN, params, z: Array, key: Array, temperature, cfg_scale, *,
