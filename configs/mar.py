@@ -1,9 +1,16 @@
 """MAR configs: `--config configs/mar.py:VARIANT` with VARIANT in base, large, huge, tiny.
 
 base/large/huge are the released MAR-B/L/H with the KL-16 VAE (kl16.ckpt) at
-256 px; `tiny` runs on a CPU in seconds (32 px, 16 tokens, random weights).
+256 px; `tiny` runs on a CPU in seconds (32 px, 16 tokens, random weights). `train` and
+`data` are the paper's training settings (main_mar.py): AdamW (0.9, 0.95), weight
+decay 0.02 (not on biases and norms), lr = 1e-4 x batch / 256 with batch 2048,
+100 warm-up epochs from 0, then constant, 400 epochs, clip 3.0, EMA 0.9999,
+ADM center crop and random flip; `data.cache_latents` is their --use_cached.
+`vae_ckpt` names the frozen KL-16 VAE (converted); empty = random.
 """
 import ml_collections
+
+from configs import common
 
 VARIANTS = ('base', 'large', 'huge', 'tiny')
 # width, depth, heads (encoder = decoder), DiffLoss depth and width, evaluation cfg.
@@ -31,6 +38,12 @@ def _released(variant: str) -> ml_collections.ConfigDict:
   c.sample = ml_collections.ConfigDict(dict(
       num_iter=64, cfg=cfg, cfg_schedule='linear', temperature=1.0, num_diffusion_steps=100,
       seed=0, batch_size=16))
+  c.train = common.train_config(
+      steps=common.steps_for_epochs(400, 2048), batch_size=2048, lr=1e-4 * 2048 / 256, b1=0.9, b2=0.95,
+      weight_decay=0.02, warmup_steps=common.steps_for_epochs(100, 2048), schedule='constant',
+      grad_clip=3.0, ema_decay=0.9999)
+  c.data = common.data_config(source='imagenet', crop='center', hflip=True)
+  c.vae_ckpt = ''
   return c
 
 
@@ -44,6 +57,9 @@ def _tiny() -> ml_collections.ConfigDict:
   c.dtype = 'float32'
   c.attn_backend = 'xla'
   c.sample.update(num_iter=8, cfg=3.0, num_diffusion_steps=10, batch_size=8)
+  c.train.update(steps=200, batch_size=32, lr=1e-3, warmup_steps=20, ema_decay=0.99, log_every=10,
+                 ckpt_every=100, sample_every=100, sample_per_class=2, sample_classes=10)
+  c.data.update(source='synthetic', num_examples=2000, workers=2)
   return c
 
 

@@ -1,11 +1,25 @@
 """VAR configs: `--config configs/var.py:VARIANT` with VARIANT in d16, d20, d24, d30, tiny.
 
 d16..d30 are the official ImageNet 256 px models (vae_ch160v4096z32.pth + var_dN.pth);
-`tiny` runs on a CPU in seconds (32 px images, 4 scales).
+`tiny` runs on a CPU in seconds (32 px images, 4 scales). `train` and `data` are
+the paper's training settings (utils/arg_util.py and the README's commands):
+AdamW (0.9, 0.95), weight decay 0.05 (not on biases, norms, embeddings of
+positions and levels, shared AdaLN), lr = tblr x batch / 256, warm-up over ep/50 epochs from
+0.5 % of the peak, linear decay to wpe x peak, clip 2.0, no EMA, no flip.
+`vqvae_ckpt` names the frozen tokenizer (converted or trained); empty = random.
 """
 import ml_collections
 
+from configs import common
+
 VARIANTS = ('d16', 'd20', 'd24', 'd30', 'tiny')
+
+
+# Global batch, base lr per 256 images, epochs, final lr fraction (the official README);
+# other depths (tiny) start from d16's.
+_TRAINING = {16: (768, 1e-4, 200, 0.1), 20: (768, 1e-4, 250, 0.1), 24: (768, 8e-5, 350, 0.01),
+             30: (1024, 8e-5, 350, 0.01)}
+_NO_DECAY = ('pos_start', 'pos_1LC', 'lvl_embed', 'ada_gss')
 
 
 def _official(depth: int) -> ml_collections.ConfigDict:
@@ -26,6 +40,14 @@ def _official(depth: int) -> ml_collections.ConfigDict:
   c.attn_backend = 'cudnn'       # 'xla' runs everywhere; 'cudnn' needs an NVIDIA GPU
   # The paper's FID settings.
   c.sample = ml_collections.ConfigDict(dict(cfg=1.5, top_k=900, top_p=0.96, seed=0, batch_size=16))
+  batch, tblr, epochs, wpe = _TRAINING.get(depth, _TRAINING[16])
+  c.train = common.train_config(
+      steps=common.steps_for_epochs(epochs, batch), batch_size=batch, lr=tblr * batch / 256,
+      b1=0.9, b2=0.95, weight_decay=0.05, no_decay=_NO_DECAY,
+      warmup_steps=common.steps_for_epochs(epochs / 50, batch), warmup_init=0.005, schedule='linear',
+      end_lr_fraction=wpe, grad_clip=2.0, ema_decay=0.0)
+  c.data = common.data_config(source='imagenet', crop='random', hflip=False)
+  c.vqvae_ckpt = ''
   return c
 
 
@@ -40,6 +62,9 @@ def _tiny() -> ml_collections.ConfigDict:
   c.dtype = 'float32'
   c.attn_backend = 'xla'
   c.sample.update(cfg=1.5, top_k=0, top_p=1.0, batch_size=8)
+  c.train.update(steps=200, batch_size=32, lr=1e-3, warmup_steps=20, log_every=10, ckpt_every=100,
+                 sample_every=100, sample_per_class=2, sample_classes=10)
+  c.data.update(source='synthetic', num_examples=2000, crop='center', workers=2)
   return c
 
 

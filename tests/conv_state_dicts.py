@@ -12,13 +12,13 @@ def norm(sd, rng, name, c):
   sd[f'{name}.bias'] = (0.1 * rng.normal(size=(c,))).astype(np.float32)
 
 
-def _resnet(sd, rng, name, c_in, c_out):
+def resnet(sd, rng, name, c_in, c_out, shortcut='nin_shortcut'):
   norm(sd, rng, f'{name}.norm1', c_in)
   conv(sd, rng, f'{name}.conv1', c_in, c_out, 3)
   norm(sd, rng, f'{name}.norm2', c_out)
   conv(sd, rng, f'{name}.conv2', c_out, c_out, 3)
   if c_in != c_out:
-    conv(sd, rng, f'{name}.nin_shortcut', c_in, c_out, 1)
+    conv(sd, rng, f'{name}.{shortcut}', c_in, c_out, 1)
 
 
 def _attn(sd, rng, name, c, fused_qkv):
@@ -33,10 +33,10 @@ def _attn(sd, rng, name, c, fused_qkv):
 
 
 def _mid(sd, rng, name, c, using_attn, fused_qkv):
-  _resnet(sd, rng, f'{name}.block_1', c, c)
+  resnet(sd, rng, f'{name}.block_1', c, c)
   if using_attn:
     _attn(sd, rng, f'{name}.attn_1', c, fused_qkv)
-  _resnet(sd, rng, f'{name}.block_2', c, c)
+  resnet(sd, rng, f'{name}.block_2', c, c)
 
 
 def encoder_decoder(sd, rng, *, ch, ch_mult, num_res_blocks, z_out, z_in, encoder_attn, decoder_attn,
@@ -47,7 +47,7 @@ def encoder_decoder(sd, rng, *, ch, ch_mult, num_res_blocks, z_out, z_in, encode
   c = ch
   for i, m in enumerate(ch_mult):
     for j in range(num_res_blocks):
-      _resnet(sd, rng, f'encoder.down.{i}.block.{j}', c, ch * m)
+      resnet(sd, rng, f'encoder.down.{i}.block.{j}', c, ch * m)
       c = ch * m
       if i == last and encoder_attn:
         _attn(sd, rng, f'encoder.down.{i}.attn.{j}', c, fused_qkv)
@@ -60,7 +60,7 @@ def encoder_decoder(sd, rng, *, ch, ch_mult, num_res_blocks, z_out, z_in, encode
   _mid(sd, rng, 'decoder.mid', c, mid_attn, fused_qkv)
   for i in reversed(range(len(ch_mult))):
     for j in range(num_res_blocks + 1):
-      _resnet(sd, rng, f'decoder.up.{i}.block.{j}', c, ch * ch_mult[i])
+      resnet(sd, rng, f'decoder.up.{i}.block.{j}', c, ch * ch_mult[i])
       c = ch * ch_mult[i]
       if i == last and decoder_attn:
         _attn(sd, rng, f'decoder.up.{i}.attn.{j}', c, fused_qkv)

@@ -1,10 +1,12 @@
 """From an ml_collections config to model configs and parameters, validated key by key."""
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import orbax.checkpoint as ocp
 
 from var_models import attention as attn_lib
 from var_models import checkpoint
@@ -94,3 +96,22 @@ def load_mar_params(mar_cfg: mar_lib.MARConfig, vae_cfg: AutoencoderKLConfig, di
   """Params from a checkpoint directory written by `python -m var_models.convert mar` or training."""
   abstract = jax.eval_shape(lambda k: init_mar_params(mar_cfg, vae_cfg, k), jax.random.key(0))
   return checkpoint.load_params(directory, abstract)
+
+
+def load_component(directory: str, name: str, abstract: Any) -> Any:
+  """One part (e.g. 'vqvae', 'vae') of a params checkpoint laid out like `abstract`.
+
+  The checkpoint may hold other parts of any shape (a converted {'var', 'vqvae'}
+  of another depth); only `name` is checked and returned.
+  """
+  path = os.path.join(os.path.abspath(directory), 'params')
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f'no parameter checkpoint at {path}')
+  with ocp.StandardCheckpointer() as ckptr:
+    stored = ckptr.metadata(path)
+    stored = getattr(stored, 'item_metadata', stored)
+    if name not in stored:
+      raise ValueError(f'checkpoint {directory} holds no {name!r} parameters (it has {sorted(stored)})')
+    checkpoint.check_tree(abstract, stored[name], f'checkpoint {directory} [{name!r}]')
+    target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), dict(stored))
+    return ckptr.restore(path, target)[name]

@@ -8,9 +8,10 @@ import numpy as np
 
 from var_models import checkpoint
 from var_models import mar as mar_lib
-from var_models.autoencoder_kl import KL16
+from var_models.autoencoder_kl import KL16, SDXL_F8C4
 from var_models.convert.autoencoder_kl import convert_autoencoder_kl
 from var_models.convert.common import strip_prefix
+from var_models.convert.diffusers_vae import convert_diffusers_vae
 from var_models.convert.mar import convert_mar
 from var_models.convert.var import convert_var, infer_var_depth
 from var_models.convert.vqvae import convert_vqvae
@@ -83,6 +84,15 @@ def convert_mar_files(vae_path: str, mar_path: str, model: str, out: str, ema: b
   print(f'wrote MAR-{model} + KL-16 VAE params to {out}')
 
 
+def convert_sdxl_vae_file(vae_path: str, out: str, vae_cfg=None) -> None:
+  """The SDXL VAE in the diffusers layout (diffusion_pytorch_model.safetensors) -> checkpoint {'vae'}
+  at `out`, the frozen tokenizer of E-CAR's latent space (configs/ecar.py's vae_ckpt)."""
+  vae_cfg = vae_cfg or SDXL_F8C4
+  params = {'vae': convert_diffusers_vae(load_state_dict(vae_path), vae_cfg)}
+  checkpoint.save_params(out, params, {'family': 'ecar', 'model': 'sdxl-vae', 'vae': vae_path})
+  print(f'wrote SDXL VAE params to {out}')
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog='python -m var_models.convert', description=__doc__)
   sub = parser.add_subparsers(dest='family', required=True)
@@ -97,12 +107,17 @@ def main(argv=None) -> None:
   m.add_argument('--model', required=True, choices=sorted(MAR_SIZES))
   m.add_argument('--no-ema', dest='ema', action='store_false', help="use 'model' instead of 'model_ema'")
   m.add_argument('--out', required=True, help='output checkpoint directory')
+  x = sub.add_parser('sdxl-vae', help='SDXL VAE, diffusers layout (diffusion_pytorch_model.safetensors)')
+  x.add_argument('--vae', required=True, help='diffusion_pytorch_model.safetensors (or .npz)')
+  x.add_argument('--out', required=True, help='output checkpoint directory')
   args = parser.parse_args(argv)
   try:
     if args.family == 'var':
       convert_var_files(args.vae, args.var, args.depth, args.out)
-    else:
+    elif args.family == 'mar':
       convert_mar_files(args.vae, args.mar, args.model, args.out, args.ema)
+    else:
+      convert_sdxl_vae_file(args.vae, args.out)
   except ValueError as e:
     sys.exit(f'error: {e}')
 

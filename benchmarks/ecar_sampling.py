@@ -1,0 +1,82 @@
+"""E-CAR sampling speed and FLOPs: S / B / L at 256 px, the paper's evaluation settings.
+
+  python benchmarks/ecar_sampling.py --variants S,B,L --batches 1,16           # GPU, bf16, cudnn
+  python benchmarks/ecar_sampling.py --variants tiny --batches 2 --steps 6 --iters 2 --dtype float32 --backend xla
+
+Random weights (our init; the SDXL VAE random too: its cost does not depend on its
+values), 250 Euler steps in all (a third per stage), CFG with the doubled batch
+(scale 1.5), VAE decoding included. Compile time is measured apart (lower +
+compile); run times are medians over --iters calls after --warmup calls, each
+with a fresh key, timed on the host after block_until_ready. FLOPs per image come
+from XLA's cost analysis (`ecar.sampling_flops`), with and without the VAE
+decoder; the paper reports 1T / 3.2T / 5.8T for S / B / L.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ecar
+from configs import ecar as ecar_configs
+from timing import time_compiled
+
+
+def model_config(variant: str, dtype: str, backend: str):
+  c = ecar_configs.get_config(variant)
+  c.dtype, c.attn_backend = dtype, backend
+  return ecar.ecar_config(c)
+
+
+def time_sampler(cfg, params, vae, batch: int, steps: int, cfg_scale: float, warmup: int, iters: int) -> dict:
+  sample = ecar.make_sampler(cfg, num_steps=steps)
+  labels = np.arange(batch, dtype=np.int32) % cfg.num_classes
+  lab, scale = jnp.asarray(labels), jnp.float32(cfg_scale)
+  _, row = time_compiled(sample.lower(params, vae, jax.random.key(0), labels, cfg_scale=cfg_scale),
+                         lambda i: (params, vae, jax.random.key(i), lab, scale), batch, warmup, iters)
+  return row
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument('--variants', default='S,B,L')
+  ap.add_argument('--batches', default='1,16')
+  ap.add_argument('--steps', type=int, default=250, help='Euler steps in all, split over the stages')
+  ap.add_argument('--cfg_scale', type=float, default=1.5)
+  ap.add_argument('--dtype', default='bfloat16')
+  ap.add_argument('--backend', default='cudnn')
+  ap.add_argument('--warmup', type=int, default=3)
+  ap.add_argument('--iters', type=int, default=10)
+  ap.add_argument('--no_flops', action='store_true', help='skip the FLOP count (one more compile per variant)')
+  ap.add_argument('--json', default=None, help='also write the rows here')
+  args = ap.parse_args()
+  print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
+  rows = []
+  for variant in args.variants.split(','):
+    cfg = model_config(variant, args.dtype, args.backend)
+    params = ecar.init_params(cfg, jax.random.key(0))
+    vae = ecar.init_vae_params(cfg, jax.random.key(1))
+    print(f'E-CAR-{variant}: {ecar.param_count(params) / 1e6:.1f}M params, stages {cfg.stage_sizes}, '
+          f'tokens {cfg.stage_tokens}', flush=True)
+    flops = None if args.no_flops else ecar.sampling_flops(cfg, num_steps=args.steps)
+    if flops:
+      print(f"  FLOPs per image: {flops['per_image'] / 1e9:.1f} G "
+            f"({flops['per_image_without_decode'] / 1e9:.1f} G without the VAE decoder), "
+            f"steps per stage {flops['steps_per_stage']}", flush=True)
+    for batch in [int(b) for b in args.batches.split(',')]:
+      r = time_sampler(cfg, params, vae, batch, args.steps, args.cfg_scale, args.warmup, args.iters)
+      r.update(variant=variant, batch=batch, steps=args.steps, dtype=args.dtype, backend=args.backend,
+               tflops_per_image=None if not flops else flops['per_image'] / 1e12)
+      rows.append(r)
+      print(f"  B={batch:<3} compile {r['compile_s']:6.1f} s  median {r['median_ms']:9.2f} ms  "
+            f"per image {r['per_image_ms']:8.2f} ms  (min {r['min_ms']:.2f}, max {r['max_ms']:.2f})", flush=True)
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump(rows, f, indent=2)
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,140 @@
+"""Train-step throughput: images/s and MFU of E-CAR and VAR, on one device and data parallel.
+
+  python benchmarks/train_throughput.py --models ecar:B,var:d16 --devices 1,2 --batch_per_device 32
+
+For each model and device count: the compiled train step of `python -m train`
+(AdamW, EMA, the non-finite guard, bf16 compute from the config) on a data-parallel
+mesh of the first N devices at --batch_per_device images per device, with a
+random batch (no input pipeline) and random frozen tokenizers. E-CAR on VAE latents
+and MAR read pre-computed posteriors (the latent cache), so the step holds only the
+trained model; --encode puts the VAE encoder back into the step. Compile time is
+apart; step times are medians over --iters steps after --warmup steps, timed on the
+host after block_until_ready. MFU = XLA's FLOPs of the per-device program x steps/s
+over the device's dense bf16 peak.
+
+Then, for each N > 1, the first --check_steps losses on N devices against one
+device at the same global batch (N x batch_per_device): the same computation,
+split over the mesh, must give the same losses within --rtol.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from train import mesh as mesh_lib
+from train import throughput
+from train.optimizer import lr_schedule, make_optimizer
+from train.state import sharded_init
+from train.step import compile_train_step
+from train.tasks import make_task
+
+
+def load_config(spec: str, batch: int, overrides: dict):
+  family, variant = spec.split(':')
+  config = importlib.import_module(f'configs.{family}').get_config(variant)
+  config.train.batch_size = batch
+  for key, value in overrides.items():
+    if value is not None:
+      config[key] = value
+  return config
+
+
+def random_batch(task, batch: int, encode: bool, seed: int) -> dict:
+  """{'image' uint8 or 'moments', 'label'} [batch, ...] on the host."""
+  rng = np.random.default_rng(seed)
+  out = {'label': rng.integers(0, task.num_classes, batch).astype(np.int32)}
+  shape = (batch, task.image_size, task.image_size, 3)
+  if task.moments is None or encode:
+    out['image'] = rng.integers(0, 256, shape, dtype=np.uint8)
+  else:
+    moments = jax.eval_shape(task.moments, task.frozen, jax.ShapeDtypeStruct(shape, jnp.uint8))
+    out['moments'] = rng.standard_normal(moments.shape).astype(np.float32) * 0.5
+  return out
+
+
+def build(config, task, devices: int, batch: dict):
+  """(compiled step, state, frozen, global batch, compile seconds) on a mesh of the first `devices`."""
+  mesh = mesh_lib.make_mesh(devices, 1, jax.devices()[:devices])
+  t = config.train
+  schedule = lr_schedule(t)
+  tx = make_optimizer(t, schedule)
+  state, shardings = sharded_init(task.init, tx, mesh, t.seed)
+  frozen = mesh_lib.put(task.frozen, mesh_lib.state_shardings(mesh, task.frozen))
+  glob = mesh_lib.global_batch(mesh, batch)
+  step, compile_s = compile_train_step(task, tx, schedule, t, mesh, shardings, state, frozen, glob)
+  return step, state, frozen, glob, compile_s
+
+
+def time_steps(config, task, devices: int, per_device: int, args) -> dict:
+  batch = random_batch(task, per_device * devices, args.encode, 0)
+  step, state, frozen, glob, compile_s = build(config, task, devices, batch)
+  times = []
+  for i in range(args.warmup + args.iters):
+    t0 = time.perf_counter()
+    state, metrics = step(state, frozen, glob)
+    jax.block_until_ready(metrics)
+    if i >= args.warmup:
+      times.append(time.perf_counter() - t0)
+  med = statistics.median(times)
+  peak = throughput.peak_flops(jax.devices()[0], args.peak_flops)
+  mfu = throughput.mfu(throughput.compiled_flops(step), 1 / med, peak)
+  return dict(devices=devices, batch=per_device * devices, compile_s=compile_s, step_ms=med * 1e3,
+              images_per_s=per_device * devices / med, mfu=mfu, loss=float(metrics['loss']))
+
+
+def first_losses(config, task, devices: int, batch: int, steps: int, encode: bool) -> list[float]:
+  step, state, frozen, glob, _ = build(config, task, devices, random_batch(task, batch, encode, 1))
+  losses = []
+  for _ in range(steps):
+    state, metrics = step(state, frozen, glob)
+    losses.append(float(metrics['loss']))
+  return losses
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument('--models', default='ecar:B,var:d16', help='family:variant, comma separated')
+  p.add_argument('--devices', default='1', help='device counts, comma separated (data parallel)')
+  p.add_argument('--batch_per_device', type=int, default=32)
+  p.add_argument('--warmup', type=int, default=3)
+  p.add_argument('--iters', type=int, default=10)
+  p.add_argument('--check_steps', type=int, default=3)
+  p.add_argument('--rtol', type=float, default=2e-2, help='loss tolerance of the N-device check (bf16)')
+  p.add_argument('--encode', action='store_true', help='VAE encoder inside the step (no latent cache)')
+  p.add_argument('--dtype', default=None, help='override config.dtype')
+  p.add_argument('--attn_backend', default=None, help='override config.attn_backend')
+  p.add_argument('--peak_flops', type=float, default=0.0, help='per-device peak FLOP/s (default: by device kind)')
+  args = p.parse_args()
+  counts = [int(n) for n in args.devices.split(',')]
+  if max(counts) > jax.device_count():
+    raise SystemExit(f'--devices {args.devices}: only {jax.device_count()} devices here')
+  print(f'{jax.devices()[0].device_kind} x {jax.device_count()}, jax {jax.__version__}, '
+        f'{args.batch_per_device} images per device, {"images" if args.encode else "cached latents"}')
+  print('| model | devices | global batch | compile s | step ms | images/s | MFU | scaling |')
+  print('| --- | --- | --- | --- | --- | --- | --- | --- |')
+  for spec in args.models.split(','):
+    config = load_config(spec, args.batch_per_device, dict(dtype=args.dtype, attn_backend=args.attn_backend))
+    task = make_task(config)
+    base = None
+    for n in counts:
+      row = time_steps(config, task, n, args.batch_per_device, args)
+      base = base or row['images_per_s'] / n
+      mfu = '-' if row['mfu'] is None else f'{100 * row["mfu"]:.1f} %'
+      print(f'| {spec} | {n} | {row["batch"]} | {row["compile_s"]:.1f} | {row["step_ms"]:.1f} | '
+            f'{row["images_per_s"]:.1f} | {mfu} | {row["images_per_s"] / base:.2f} |', flush=True)
+    for n in (c for c in counts if c > 1):
+      one = first_losses(config, task, 1, args.batch_per_device * n, args.check_steps, args.encode)
+      many = first_losses(config, task, n, args.batch_per_device * n, args.check_steps, args.encode)
+      ok = np.allclose(many, one, rtol=args.rtol)
+      print(f'{spec}: first losses, 1 device {np.round(one, 5).tolist()} vs {n} devices '
+            f'{np.round(many, 5).tolist()}: {"equal" if ok else "DIFFERENT"} within rtol {args.rtol}', flush=True)
+
+
+if __name__ == '__main__':
+  main()

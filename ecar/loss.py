@@ -1,0 +1,108 @@
+"""E-CAR's training loss: per-stage flow-matching MSE, end to end through the AR, balanced by GradNorm.
+
+    loss, (metrics, gn_state) = loss_fn(cfg, params, gn_state, x0, labels, key)
+
+One shared full-resolution noise per sample gives every stage its start and end
+points (`flow.training_points`); each stage draws its own local time t ~ U[0, 1).
+The AR sees the class (dropped to the null class with probability
+cond_drop_rate) and the end points of stages 0..S-2; each denoiser predicts
+end - start at x_t. Stage loss L_s = mean squared error over [B, g_s, g_s, D].
+The returned loss is sum_s w_s L_s with the GradNorm weights w held constant, so
+its gradient trains the AR through every stage's r_s. GradNorm's gradient norms
+||grad_W L_s|| are taken on the AR layer `cfg.gradnorm_layer` (default the final
+LayerNorm, the last layer every stage shares) by one extra backward pass per
+stage on stop-gradient copies of the params; they feed only the weight update,
+which comes back as the new GradNormState (`train=False` leaves it unchanged).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ecar import gradnorm
+from ecar.config import ECARConfig
+from ecar.flow import training_points
+from ecar.model import ECAR
+
+Array = jax.Array
+
+
+def init_gradnorm(cfg: ECARConfig) -> gradnorm.GradNormState:
+  """Equal stage weights (sum S); initial losses are recorded at the first training step."""
+  return gradnorm.init_state(cfg.num_stages)
+
+
+def _subtree(tree, path: str):
+  for part in path.split('/'):
+    if not isinstance(tree, Mapping) or part not in tree:
+      raise ValueError(f'gradnorm layer {path!r} is not in the params (no {part!r} under it); '
+                       'set config.gradnorm.layer to a path like ar/norm or ar/blocks_0/mlp/fc2')
+    tree = tree[part]
+  return tree
+
+
+def _with_subtree(tree, path: str, value):
+  head, _, rest = path.partition('/')
+  return {**tree, head: _with_subtree(tree[head], rest, value) if rest else value}
+
+
+def check_gradnorm_layer(cfg: ECARConfig, params) -> None:
+  """Raises ValueError if cfg.gradnorm_layer names nothing in params (shapes suffice)."""
+  _subtree(params, cfg.gradnorm_layer)
+
+
+def _check_batch(cfg: ECARConfig, x0: Array, labels: Array) -> None:
+  if x0.ndim != 4 or tuple(x0.shape[1:]) != cfg.data_shape:
+    raise ValueError(f'x0 must be [B, {", ".join(map(str, cfg.data_shape))}] ({cfg.latent_space} space), '
+                     f'got shape {tuple(x0.shape)}')
+  if labels.shape != (x0.shape[0],) or not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise ValueError(f'labels must be integers of shape ({x0.shape[0]},), got {labels.shape} {labels.dtype}')
+
+
+def stage_losses(cfg: ECARConfig, params, labels: Array, points: dict) -> Array:
+  """[S] flow-matching MSE of each stage (float32)."""
+  pred = ECAR(cfg).apply({'params': params}, labels, points['end'][:-1], points['x_t'], points['timestep'])
+  return jnp.stack([jnp.mean(jnp.square(p - v)) for p, v in zip(pred, points['v'])])
+
+
+def shared_grad_norms(cfg: ECARConfig, params, labels: Array, points: dict) -> Array:
+  """[S] ||grad_W L_s|| on W = the params at cfg.gradnorm_layer; no gradient flows out of it."""
+  params, labels, points = jax.lax.stop_gradient((params, labels, points))
+  path = cfg.gradnorm_layer
+  shared = _subtree(params, path)
+
+  def norm(s):
+    g = jax.grad(lambda w: stage_losses(cfg, _with_subtree(params, path, w), labels, points)[s])(shared)
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree_util.tree_leaves(g)))
+
+  return jnp.stack([norm(s) for s in range(cfg.num_stages)])
+
+
+def loss_fn(cfg: ECARConfig, params, gradnorm_state: gradnorm.GradNormState, x0: Array, labels: Array,
+            key: Array, *, train: bool = True) -> tuple[Array, tuple[dict[str, Any], gradnorm.GradNormState]]:
+  """x0 [B, H, W, D] in the model's data space, labels [B] -> (loss, (metrics, new GradNorm state))."""
+  _check_batch(cfg, x0, labels)
+  k_drop, k_noise, k_t = jax.random.split(key, 3)
+  if train and cfg.cond_drop_rate > 0:
+    labels = jnp.where(jax.random.uniform(k_drop, labels.shape) < cfg.cond_drop_rate, cfg.num_classes, labels)
+  t = jax.random.uniform(k_t, (cfg.num_stages, x0.shape[0]), jnp.float32)
+  points = training_points(cfg.flow, cfg.stage_sizes, x0, jax.random.normal(k_noise, x0.shape), t)
+  losses = stage_losses(cfg, params, labels, points)
+  weights = jax.lax.stop_gradient(gradnorm_state.weights)
+  metrics = {f'loss/stage{s}': losses[s] for s in range(cfg.num_stages)}
+  metrics |= {f'gradnorm/w{s}': weights[s] for s in range(cfg.num_stages)}
+  metrics['loss/unweighted'] = jnp.sum(losses)
+  new_state = gradnorm_state
+  if train:
+    if cfg.gradnorm_lr > 0:
+      norms = shared_grad_norms(cfg, params, labels, points)
+      metrics |= {f'gradnorm/g{s}': norms[s] for s in range(cfg.num_stages)}
+    else:
+      norms = jnp.zeros_like(losses)
+    new_state, diag = gradnorm.update(gradnorm_state, losses, norms, lr=cfg.gradnorm_lr,
+                                      alpha=cfg.gradnorm_alpha, min_weight=cfg.gradnorm_min_weight)
+    metrics |= {f'gradnorm/ratio{s}': diag['ratio'][s] for s in range(cfg.num_stages)}
+  return jnp.sum(weights * losses), (metrics, new_state)

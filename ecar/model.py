@@ -1,0 +1,208 @@
+"""E-CAR's networks: the multistage AR transformer and one flow denoiser per stage.
+
+Params tree (`init_params`): {'ar': ..., 'denoiser_0': ..., ..., 'denoiser_{S-1}': ...}.
+
+AR transformer (next-stage prediction, ViT backbone). Stage 0's input tokens are
+the class embedding at each of its positions; stage s > 0's are a Linear of the
+patches of the previous stage's flow end point, nearest-upsampled to stage s's
+grid. Every token gets a learned position embedding (one table over all stages)
+and its stage's embedding. Attention is block-causal over stages (ScaleCausal
+with per-token stage levels: bidirectional inside a stage). A final affine
+LayerNorm gives r, the continuous token maps r_s that condition the flows. With
+`ar_depth` 0 (the ablation) there are no layers and every stage's input is the
+class embedding, so r_s carries the class and position only.
+
+Denoiser of stage s (DiT-style): patch embedding + position embedding of x_t; the
+per-token condition c = Linear(r_s) + time embedding; adaLN-zero DiT blocks whose
+shift/scale/gate come from c at each token; a per-token adaLN final layer predicts
+the velocity patches. Class labels reach the denoisers only through r_s
+(label num_classes is the null class of classifier-free guidance).
+
+Choices where the paper is silent:
+  - the AR's input at stage s is the *end point* of stage s - 1 (what the sampler
+    has in hand when stage s begins); training feeds the exact end point built
+    from the same noise as the flow, so training and sampling see one
+    distribution (feeding clean latents in training would not match sampling);
+  - the AR block is timm's pre-LN ViT block ("ViT backbone"); positions are one
+    learned table over all stages' tokens (as VAR's pos_1LC), plus a learned
+    stage embedding;
+  - the denoiser is DiT's adaLN-zero block with the condition per token, tanh
+    GELU, learned positions, DiT's timestep embedding; the AR and the denoisers
+    share one patch size, so a denoiser token is an AR token's position;
+  - initialisation: xavier-uniform Linears, zero biases, normal(0.02) embeddings,
+    zero adaLN modulations and output layers (DiT).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ecar.config import ECARConfig
+from ecar.flow import up2
+from ecar.layers import ARBlock, DiTBlock, FinalLayer, patchify, unpatchify
+from var_models import attention as attn_lib
+from var_models.blocks import BlockHooks
+from var_models.diffloss import TimestepEmbedder
+from var_models.vit import torch_layer_norm, xavier_uniform
+
+Array = jax.Array
+_embed_init = nn.initializers.normal(0.02)
+
+
+def stage_levels(cfg: ECARConfig) -> np.ndarray:
+  """[num_tokens] int32: the stage of every AR token."""
+  return np.repeat(np.arange(cfg.num_stages, dtype=np.int32), cfg.stage_tokens)
+
+
+class ARTransformer(nn.Module):
+  cfg: ECARConfig
+
+  def setup(self):
+    cfg, c = self.cfg, self.cfg.ar_width
+    self.class_emb = nn.Embed(cfg.num_classes + 1, c, embedding_init=_embed_init)
+    self.pos_embed = self.param('pos_embed', _embed_init, (1, cfg.num_tokens, c))
+    self.stage_emb = nn.Embed(cfg.num_stages, c, embedding_init=_embed_init)
+    if cfg.ar_depth > 0 and cfg.num_stages > 1:
+      self.input_proj = nn.Dense(c, kernel_init=xavier_uniform)
+    self.blocks = [ARBlock(c, cfg.ar_heads, cfg.mlp_ratio, cfg.attn_backend, cfg.dtype)
+                   for _ in range(cfg.ar_depth)]
+    self.norm = torch_layer_norm(1e-6)
+
+  def class_embedding(self, labels: Array) -> Array:
+    """labels [B] (num_classes = the null class) -> [B, C]."""
+    return self.class_emb(labels)
+
+  def stage_inputs(self, stage: int, cls: Array, prev_end: Optional[Array]) -> Array:
+    """Input tokens [B, N_s, C] of `stage` from the class embedding cls [B, C] (stage 0, or every
+    stage without AR layers) or the previous stage's end point prev_end [B, g/2, g/2, D]."""
+    cfg = self.cfg
+    begin, end = cfg.begin_ends[stage]
+    if stage == 0 or cfg.ar_depth == 0:
+      x = jnp.broadcast_to(cls[:, None], (cls.shape[0], end - begin, cls.shape[-1]))
+    else:
+      x = self.input_proj(patchify(up2(prev_end.astype(jnp.float32)), cfg.patch_size))
+    return x + self.pos_embed[:, begin:end] + self.stage_emb(jnp.int32(stage))
+
+  def run_blocks(self, x: Array, *, mask: attn_lib.Mask = None,
+                 kvs: Optional[Sequence[attn_lib.KVCache]] = None,
+                 hooks: Optional[Sequence[Optional[BlockHooks]]] = None, state: Any = None):
+    """All blocks on x [B, l, C] -> (h [B, l, C], kvs, state)."""
+    x = x.astype(self.cfg.dtype)
+    new_kvs = []
+    for i, block in enumerate(self.blocks):
+      x, kv, state = block(x, mask=mask, kv=None if kvs is None else kvs[i],
+                           hooks=None if hooks is None else hooks[i], state=state)
+      new_kvs.append(kv)
+    return x, (None if kvs is None else new_kvs), state
+
+  def output(self, h: Array) -> Array:
+    """Final LayerNorm (float32): the token maps r [B, l, C]."""
+    return self.norm(h.astype(jnp.float32))
+
+  def __call__(self, labels: Array, prev_ends: Sequence[Array]) -> Array:
+    """Teacher-forced: labels [B], prev_ends the end points of stages 0..S-2 -> r [B, num_tokens, C]."""
+    cls = self.class_embedding(labels)
+    x = jnp.concatenate([self.stage_inputs(s, cls, prev_ends[s - 1] if s else None)
+                         for s in range(self.cfg.num_stages)], axis=1)
+    levels = stage_levels(self.cfg)
+    h, _, _ = self.run_blocks(x, mask=attn_lib.ScaleCausal(levels, levels))
+    return self.output(h)
+
+
+class Denoiser(nn.Module):
+  """The flow denoiser of one stage."""
+  cfg: ECARConfig
+  stage: int
+
+  def setup(self):
+    cfg, w = self.cfg, self.cfg.den_width
+    self.x_embed = nn.Dense(w, kernel_init=xavier_uniform, dtype=cfg.dtype)
+    self.pos_embed = self.param('pos_embed', _embed_init, (1, cfg.stage_tokens[self.stage], w))
+    self.cond_proj = nn.Dense(w, kernel_init=xavier_uniform, dtype=cfg.dtype)
+    self.t_embed = TimestepEmbedder(w, cfg.dtype)
+    self.blocks = [DiTBlock(w, cfg.den_heads, cfg.mlp_ratio, cfg.attn_backend, cfg.dtype)
+                   for _ in range(cfg.den_depth)]
+    self.final = FinalLayer(w, cfg.token_dim, cfg.dtype)
+
+  def condition(self, r: Array) -> Array:
+    """The AR's token map r [B, N_s, C_ar] -> its part of the per-token condition [B, N_s, W]
+    (constant over a stage's Euler steps, so the sampler computes it once)."""
+    return self.cond_proj(r)
+
+  def velocity(self, x: Array, timestep: Array, cond: Array) -> Array:
+    """x [B, g, g, D], timestep [B], cond [B, N_s, W] from `condition` -> velocity [B, g, g, D] float32."""
+    cfg = self.cfg
+    h = self.x_embed(patchify(x.astype(jnp.float32), cfg.patch_size)) + self.pos_embed
+    c = cond + self.t_embed(timestep)[:, None]
+    for block in self.blocks:
+      h = block(h, c)
+    out = self.final(h, c).astype(jnp.float32)
+    return unpatchify(out, cfg.patch_size, cfg.stage_sizes[self.stage])
+
+  def __call__(self, x: Array, timestep: Array, r: Array) -> Array:
+    return self.velocity(x, timestep, self.condition(r))
+
+
+class ECAR(nn.Module):
+  """The AR transformer and the S denoisers; `__call__` is the teacher-forced training forward."""
+  cfg: ECARConfig
+
+  def setup(self):
+    self.ar = ARTransformer(self.cfg)
+    self.denoiser = [Denoiser(self.cfg, s) for s in range(self.cfg.num_stages)]
+
+  def __call__(self, labels: Array, prev_ends: Sequence[Array], x_t: Sequence[Array],
+               timesteps: Sequence[Array]) -> list[Array]:
+    """labels [B]; prev_ends: end points of stages 0..S-2; x_t, timesteps: per stage [B, g_s, g_s, D]
+    and [B] -> predicted velocities per stage (float32)."""
+    r = self.ar(labels, prev_ends)
+    return [self.denoiser[s](x_t[s], timesteps[s], r[:, b:e])
+            for s, (b, e) in enumerate(self.cfg.begin_ends)]
+
+  # ---- the pieces the sampler runs stage by stage ----
+
+  def class_embedding(self, labels: Array) -> Array:
+    return self.ar.class_embedding(labels)
+
+  def ar_inputs(self, stage: int, cls: Array, prev_end: Optional[Array]) -> Array:
+    return self.ar.stage_inputs(stage, cls, prev_end)
+
+  def ar_blocks(self, x: Array, **kwargs):
+    return self.ar.run_blocks(x, **kwargs)
+
+  def ar_output(self, h: Array) -> Array:
+    return self.ar.output(h)
+
+  def den_condition(self, stage: int, r: Array) -> Array:
+    return self.denoiser[stage].condition(r)
+
+  def den_velocity(self, stage: int, x: Array, timestep: Array, cond: Array) -> Array:
+    return self.denoiser[stage].velocity(x, timestep, cond)
+
+
+def dummy_inputs(cfg: ECARConfig, batch: int = 1):
+  """Zero arguments of `ECAR.__call__` with the right shapes: (labels, prev_ends, x_t, timesteps)."""
+  d = cfg.data_channels
+  grids = [jnp.zeros((batch, g, g, d), jnp.float32) for g in cfg.stage_sizes]
+  return (jnp.zeros((batch,), jnp.int32), grids[:-1], grids, [jnp.zeros((batch,), jnp.float32)] * cfg.num_stages)
+
+
+def init_params(cfg: ECARConfig, key: Array):
+  """Random params {'ar', 'denoiser_0', ...} (ViT/DiT initialisation; adaLN and outputs zero).
+  Compiled: op-by-op initialisation of a transformer is slow on a CPU."""
+  return jax.jit(lambda k: ECAR(cfg).init({'params': k}, *dummy_inputs(cfg))['params'])(key)
+
+
+def param_count(params) -> int:
+  return sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params))
+
+
+@functools.lru_cache(maxsize=None)
+def abstract_params(cfg: ECARConfig):
+  """Parameter shapes (ShapeDtypeStructs) without allocating anything; cached per config."""
+  return jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))

@@ -1,0 +1,141 @@
+"""E-CAR's class-conditional sampler, compiled whole.
+
+    sample = make_sampler(cfg, num_steps=250)            # optionally policy=..., return_intermediates=True
+    images, aux = sample(params, vae_params, key, labels, cfg_scale=1.5)
+
+images [B, H, W, 3] in [0, 1]. The batch is doubled for classifier-free guidance
+([cond; uncond] with the null class). Stage loop in Python (each stage has its
+own shapes): stage 0 starts from unit noise on the coarsest grid; stage s > 0
+first gives the AR the end point of stage s - 1 (upsampled inside the model),
+then jumps to its own start (`flow.renoise_jump`). The AR runs each stage's
+tokens once, attending to its KV cache of the earlier stages (no mask needed);
+its token map conditions the stage's denoiser, which integrates the flow from
+local time 0 to 1 with `steps_per_stage[s]` Euler steps in a `lax.fori_loop`.
+`num_steps` (an int) is split over the stages as evenly as possible, earlier
+stages taking the remainder: 250 -> (84, 83, 83), the paper's "a third per stage".
+With `return_intermediates`, aux holds per stage the AR token maps 'r' (the
+conditional half, [B, N_s, C]) and the flow end points 'ends'. Arguments are
+checked before anything compiles.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ecar import flow as flow_lib
+from ecar.config import ECARConfig
+from ecar.latents import decode
+from ecar.model import ECAR
+from ecar.policy import BASELINE, Denoise, StagePolicy
+from var_models import tokens as tok
+from var_models.attention import KVCache
+from var_models.labels import check_labels
+
+Array = jax.Array
+
+
+def split_steps(total: int, num_stages: int) -> tuple[int, ...]:
+  if total < num_stages:
+    raise ValueError(f'num_steps must be >= the number of stages ({num_stages}), got {total}')
+  q, r = divmod(total, num_stages)
+  return tuple(q + (s < r) for s in range(num_stages))
+
+
+def steps_per_stage(cfg: ECARConfig, num_steps: Union[int, Sequence[int]]) -> tuple[int, ...]:
+  if isinstance(num_steps, (int, np.integer)):
+    return split_steps(int(num_steps), cfg.num_stages)
+  steps = tuple(int(n) for n in num_steps)
+  if len(steps) != cfg.num_stages or any(n < 1 for n in steps):
+    raise ValueError(f'num_steps must be an int or {cfg.num_stages} positive ints (one per stage), got {num_steps}')
+  return steps
+
+
+class _Sampler:
+  """Static parts (config, steps, policy); `__call__` is the public sampler."""
+
+  def __init__(self, cfg: ECARConfig, steps: tuple[int, ...], policy: StagePolicy, return_intermediates: bool):
+    self.cfg, self.steps, self.policy = cfg, steps, policy
+    self.model, self.flow = ECAR(cfg), cfg.flow
+    self.return_intermediates = return_intermediates
+    self._jitted = jax.jit(self._sample)
+
+  def __call__(self, params, vae_params, key: Array, labels, *, cfg_scale: float):
+    return self._jitted(*self._checked(params, vae_params, key, labels, cfg_scale))
+
+  def lower(self, params, vae_params, key, labels, *, cfg_scale: float):
+    """The lowered program (for compile time and FLOP accounting); params may be ShapeDtypeStructs."""
+    return self._jitted.lower(*self._checked(params, vae_params, key, labels, cfg_scale))
+
+  def _checked(self, params, vae_params, key, labels, cfg_scale):
+    check_labels(labels, self.cfg.num_classes)
+    if not np.isfinite(cfg_scale):
+      raise ValueError(f'cfg_scale must be finite, got {cfg_scale}')
+    if self.cfg.latent_space == 'vae' and vae_params is None:
+      raise ValueError("vae_params are required in latent space (config.latent_space='vae')")
+    return params, vae_params, key, jnp.asarray(labels, jnp.int32), jnp.float32(cfg_scale)
+
+  def _sample(self, params, vae_params, key, labels, cfg_scale):
+    cfg, b = self.cfg, labels.shape[0]
+    v = {'params': params}
+    cls2 = self.model.apply(v, jnp.concatenate([labels, jnp.full_like(labels, cfg.num_classes)]),
+                            method=ECAR.class_embedding)
+    head_dim = cfg.ar_width // cfg.ar_heads
+    kvs = [KVCache.create(2 * b, cfg.num_tokens, cfg.ar_heads, head_dim, cfg.dtype) for _ in range(cfg.ar_depth)]
+    state = self.policy.init_state(cfg, 2 * b)
+    key, k_init = jax.random.split(key)
+    x = jax.random.normal(k_init, (b, cfg.stage_sizes[0], cfg.stage_sizes[0], cfg.data_channels), jnp.float32)
+    aux = {'r': [], 'ends': []}
+    for s in range(cfg.num_stages):
+      prev = None
+      if s > 0:
+        prev = jnp.concatenate([x, x])
+        key, k_jump = jax.random.split(key)
+        x = flow_lib.renoise_jump(self.flow, s, x, k_jump)
+      r, kvs, state = self._ar_stage(v, s, self.model.apply(v, s, cls2, prev, method=ECAR.ar_inputs), kvs, state)
+      cond = self.model.apply(v, s, r, method=ECAR.den_condition)
+      x, state = jax.lax.fori_loop(
+          0, self.steps[s], lambda i, c: self.euler_step(v, s, i, c[0], cond, cfg_scale, c[1]), (x, state))
+      if self.return_intermediates:
+        aux['r'].append(r[:b])
+        aux['ends'].append(x)
+    images = decode(cfg, vae_params, x)
+    return images, (aux if self.return_intermediates else {})
+
+  def _ar_stage(self, v, s: int, tokens: Array, kvs, state):
+    """The AR on stage s's input tokens [2B, N_s, C] with the KV cache -> (r_s [2B, N_s, C], kvs, state)."""
+    policy = self.policy
+    sel, state = policy.select_input(s, tokens, state)
+    hooks = policy.block_hooks(s, self.cfg.ar_depth)
+    h, kvs, state = self.model.apply(v, tokens if sel is None else tok.gather(tokens, sel), kvs=kvs, hooks=hooks,
+                                     state=state, method=ECAR.ar_blocks)
+    r = self.model.apply(v, h, method=ECAR.ar_output)
+    if sel is not None:
+      r, state = policy.restore_output(s, r, sel, self.cfg.stage_tokens[s], state)
+    return r, kvs, state
+
+  def euler_step(self, v, s: int, i: Array, x: Array, cond: Array, cfg_scale: Array, state: Any):
+    """One Euler step of stage s: x [B, g, g, D] at local time i / n -> (x + v / n, state).
+    cond [2B, N_s, W] is the denoiser's condition from the AR ([cond; uncond])."""
+    n, b = self.steps[s], x.shape[0]
+    ts = flow_lib.timestep(self.flow, s, jnp.full((2 * b,), i, jnp.float32) / n)
+    vel = lambda xx, c, t: self.model.apply(v, s, xx, t, c, method=ECAR.den_velocity)
+
+    def both(xx):
+      out = vel(jnp.concatenate([xx, xx]), cond, ts)
+      return out[:b], out[b:]
+
+    denoise = Denoise(both, lambda xx: vel(xx, cond[:b], ts[:b]))
+    velocity, state = self.policy.guided_velocity(s, i, x, denoise, cfg_scale, state)
+    return x + velocity / n, state
+
+
+def make_sampler(cfg: ECARConfig, *, num_steps: Union[int, Sequence[int]] = 250,
+                 policy: Optional[StagePolicy] = None, return_intermediates: bool = False):
+  """A pure, jit-compiled sampler `sample(params, vae_params, key, labels, *, cfg_scale) -> (images, aux)`.
+
+  num_steps: Euler steps in all (split over the stages) or one count per stage.
+  """
+  return _Sampler(cfg, steps_per_stage(cfg, num_steps), policy or BASELINE, return_intermediates)

@@ -1,0 +1,115 @@
+"""The train step on a toy task: accumulation, EMA, the non-finite guard, model state; the schedule."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import common
+from train.optimizer import decay_mask, lr_schedule, make_optimizer
+from train.state import init_state
+from train.step import make_train_step
+from train.tasks import Task
+
+
+def _toy_task() -> Task:
+  """Linear regression from 'image' [B, 3] to 'label'; a label < 0 makes the loss NaN.
+
+  Its model state counts the steps it saw (what E-CAR's GradNorm state stands for).
+  """
+  def init(key):
+    return {'w': jax.random.normal(key, (3,)), 'b': jnp.zeros(())}, {'seen': jnp.zeros((), jnp.int32)}
+
+  def inputs(frozen, batch, key):
+    return batch['image'].astype(jnp.float32) * frozen['scale']
+
+  def loss(params, model_state, x, labels, key):
+    pred = x @ params['w'] + params['b']
+    err = jnp.mean(jnp.square(pred - labels))
+    err = jnp.where(jnp.any(labels < 0), jnp.nan, err)
+    return err, ({'loss/abs': jnp.mean(jnp.abs(pred - labels))}, {'seen': model_state['seen'] + 1})
+
+  return Task('toy', 1, 1, init, {'scale': jnp.float32(0.5)}, inputs, loss, None, ('toy', 'frozen'))
+
+
+def _setup(**train):
+  t = common.train_config(**{'lr': 0.1, 'warmup_steps': 0, 'ema_decay': 0.5, **train})
+  sched = lr_schedule(t)
+  tx = make_optimizer(t, sched)
+  task = _toy_task()
+  state = init_state(task.init, tx, jax.random.key(0))
+  step = jax.jit(make_train_step(task, tx, sched, t.grad_accum, t.ema_decay))
+  return task, state, step
+
+
+def _batch(labels):
+  x = np.arange(len(labels) * 3, dtype=np.float32).reshape(len(labels), 3) % 5
+  return {'image': jnp.asarray(x), 'label': jnp.asarray(labels, jnp.float32)}
+
+
+def test_gradient_accumulation_equals_the_full_batch_step():
+  task, state, step = _setup()
+  _, _, step4 = _setup(grad_accum=4)
+  batch = _batch([1., 2., 3., 4., 5., 6., 7., 8.])
+  one, m1 = step(state, task.frozen, batch)
+  four, m4 = step4(state, task.frozen, batch)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), one.params, four.params)
+  np.testing.assert_allclose(m1['loss'], m4['loss'], rtol=1e-5)
+  np.testing.assert_allclose(m1['loss/abs'], m4['loss/abs'], rtol=1e-5)
+  assert int(one.model_state['seen']) == 1 and int(four.model_state['seen']) == 4
+
+
+def test_ema_follows_the_params_at_its_decay():
+  task, state, step = _setup(ema_decay=0.5)
+  new, _ = step(state, task.frozen, _batch([1., 2., 3., 4.]))
+  want = jax.tree.map(lambda e, p: 0.5 * e + 0.5 * p, state.ema_params, new.params)
+  jax.tree.map(np.testing.assert_allclose, new.ema_params, want)
+  assert not np.allclose(new.params['w'], state.params['w'])
+
+
+def test_a_non_finite_step_changes_nothing_but_the_counters():
+  task, state, step = _setup()
+  good, _ = step(state, task.frozen, _batch([1., 2., 3., 4.]))
+  bad, metrics = step(good, task.frozen, _batch([1., -1., 3., 4.]))
+  assert not np.isfinite(metrics['loss'])
+  for name in ('params', 'ema_params', 'opt_state', 'model_state'):
+    jax.tree.map(np.testing.assert_array_equal, getattr(bad, name), getattr(good, name))
+  assert (int(bad.step), int(bad.skipped), int(bad.bad_in_a_row)) == (2, 1, 1)
+  worse, _ = step(bad, task.frozen, _batch([-1., 2., 3., 4.]))
+  assert int(worse.bad_in_a_row) == 2
+  healed, metrics = step(worse, task.frozen, _batch([1., 2., 3., 4.]))
+  assert (int(healed.step), int(healed.skipped), int(healed.bad_in_a_row)) == (4, 2, 0)
+  assert np.isfinite(metrics['loss']) and not np.array_equal(healed.params['w'], good.params['w'])
+  # The schedule counts applied updates only.
+  assert int(healed.updates) == 2
+
+
+def test_steps_draw_fresh_randomness_from_the_state_rng():
+  task, state, step = _setup()
+  a, _ = step(state, task.frozen, _batch([1., 2., 3., 4.]))
+  b, _ = step(a, task.frozen, _batch([1., 2., 3., 4.]))
+  assert not np.array_equal(state.rng, a.rng) and not np.array_equal(a.rng, b.rng)
+
+
+def test_warmup_then_each_decay_reaches_its_end():
+  for schedule, mid in (('constant', 1.0), ('cosine', 0.5 * (1 + 0.1)), ('linear', 0.55)):
+    t = common.train_config(lr=2.0, steps=110, warmup_steps=10, warmup_init=0.1, schedule=schedule,
+                            end_lr_fraction=0.1)
+    s = lr_schedule(t)
+    np.testing.assert_allclose([s(0), s(5), s(10)], [0.2, 1.1, 2.0], rtol=1e-6)
+    np.testing.assert_allclose(s(60), 2.0 * mid, rtol=1e-5)
+    np.testing.assert_allclose(s(110), 2.0 if schedule == 'constant' else 0.2, rtol=1e-5)
+
+
+def test_weight_decay_skips_vectors_and_named_parameters():
+  params = {'blocks_0': {'kernel': jnp.ones((2, 2)), 'bias': jnp.ones(2)}, 'pos_start': jnp.ones((1, 2, 2)),
+            'lvl_embed': {'embedding': jnp.ones((3, 2))}}
+  mask = decay_mask(params, ('pos_start', 'lvl_embed'))
+  assert mask == {'blocks_0': {'kernel': True, 'bias': False}, 'pos_start': False,
+                  'lvl_embed': {'embedding': False}}
+
+
+def test_unknown_optimizer_or_schedule_names_the_key():
+  with pytest.raises(ValueError, match='config.train.optimizer'):
+    make_optimizer(common.train_config(optimizer='sgd'), lambda s: 1.0)
+  with pytest.raises(ValueError, match='config.train.schedule'):
+    lr_schedule(common.train_config(schedule='step'))

@@ -1,0 +1,45 @@
+"""Train a model: `python -m train --config configs/ecar.py:tiny --workdir runs/demo [--config.KEY=VALUE ...]`.
+
+Families: configs/var.py (VAR; its frozen VQVAE from config.vqvae_ckpt),
+configs/mar.py (MAR; its frozen KL VAE from config.vae_ckpt), configs/ecar.py.
+The same command resumes: a --workdir holding checkpoints continues from the
+latest one (parameters, optimizer, EMA, model state, RNG and data position).
+SIGTERM saves a checkpoint and stops. On many hosts, run the same command on
+every host; see train/mesh.py for the SLURM and coordinator-address set-ups.
+"""
+from __future__ import annotations
+
+import logging as pylogging
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from train import mesh as mesh_lib
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/{ecar,var,mar}.py:VARIANT', lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'where checkpoints, logs and samples go (resumed if present)')
+
+
+class _QuietOrbax(pylogging.Filter):
+  """Orbax logs every save step at INFO; keep its warnings only."""
+
+  def filter(self, record):
+    return record.levelno >= pylogging.WARNING or 'orbax' not in record.pathname
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  logging.get_absl_handler().addFilter(_QuietOrbax())
+  mesh_lib.initialize_distributed()
+  from train.trainer import Trainer  # after the distributed runtime starts: it touches devices
+  result = Trainer(_CONFIG.value, _WORKDIR.value).run()
+  if result.preempted:
+    print(f'stopped at step {int(result.state.step)} on SIGTERM; the same command resumes')
+  else:
+    print(f'done: {_WORKDIR.value} holds the checkpoints, samples/ and the exported EMA params')
+
+
+if __name__ == '__main__':
+  flags.mark_flags_as_required(['config', 'workdir'])
+  app.run(main)

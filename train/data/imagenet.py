@@ -1,0 +1,53 @@
+"""ImageNet (ILSVRC 2012) through tensorflow-datasets, read by random access (no TensorFlow needed).
+
+The first run prepares `imagenet2012` in the array_record format under
+config.data.path (tfds' data_dir; default ~/tensorflow_datasets) from the tars in
+config.data.manual_dir (ILSVRC2012_img_train.tar, ILSVRC2012_img_val.tar), which
+needs the `data` extra (`pip install -e '.[data]'`); later runs only read. On
+several hosts, process 0 prepares while the others wait, so data_dir must be shared.
+"""
+from __future__ import annotations
+
+import jax
+
+NAME = 'imagenet2012'
+
+
+def _tfds():
+  try:
+    import tensorflow_datasets as tfds
+  except ImportError as e:
+    raise ImportError("config.data.source='imagenet' needs tensorflow-datasets: pip install -e '.[data]'") from e
+  return tfds
+
+
+def _sync(name: str) -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
+class ImageNet:
+
+  def __init__(self, data_dir: str, manual_dir: str, split: str):
+    tfds = _tfds()
+    kwargs = dict(split=split, data_dir=data_dir or None, builder_kwargs={'file_format': 'array_record'})
+    if manual_dir:
+      prepare = {'download_config': tfds.download.DownloadConfig(manual_dir=manual_dir)}
+      if jax.process_index() == 0:
+        tfds.data_source(NAME, download=True, download_and_prepare_kwargs=prepare, **kwargs)
+      _sync('imagenet prepared')
+    try:
+      self.source = tfds.data_source(NAME, download=False, **kwargs)
+    except Exception as e:  # tfds raises its own AssertionError / DatasetNotFoundError types
+      raise ValueError(f'{NAME} split {split!r} is not prepared in config.data.path={data_dir!r}; set '
+                       f'config.data.manual_dir to the directory of the ImageNet tars: {e}') from e
+    self.num_classes = tfds.builder(NAME, data_dir=data_dir or None).info.features['label'].num_classes
+
+  def __len__(self) -> int:
+    return len(self.source)
+
+  def load(self, index: int):
+    """(uint8 [H, W, 3], label) of example `index`."""
+    ex = self.source[index]
+    return ex['image'], int(ex['label'])

@@ -1,0 +1,113 @@
+"""The device mesh, shardings of the train state and of the batch, and multi-host start-up.
+
+Every run, from one CPU to many hosts, uses one 2-D mesh with axes ('data', 'fsdp'):
+  - the batch is split over both axes (each device sees batch / devices rows);
+  - parameters, EMA and optimizer state are split over 'fsdp' along their largest
+    dimension that 'fsdp' divides (replicated when none does or the array is small),
+    and replicated over 'data'. fsdp = 1 is plain data parallelism.
+
+Multi-host start (`initialize_distributed`, called before anything touches a device):
+  - SLURM: `srun python -m train ...` with one task per host (or per GPU); JAX reads
+    the job from SLURM_* variables (coordinator = first node of SLURM_JOB_NODELIST).
+  - Anywhere else: set on every host
+      JAX_COORDINATOR_ADDRESS=host0:1234  JAX_NUM_PROCESSES=N  JAX_PROCESS_ID=i
+    (i = 0 .. N-1, host0 reachable from all) and start `python -m train ...` on each.
+  - Neither set: a single process with its local devices.
+Every host runs the same command with the same --workdir (a shared file system).
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ('data', 'fsdp')
+BATCH = P(AXES)            # leading (batch) dimension over every device
+REPLICATED = P()
+MIN_SHARDED_SIZE = 2 ** 14  # smaller arrays stay replicated: splitting them saves nothing
+
+
+def initialize_distributed() -> None:
+  """Starts JAX's distributed runtime when the environment describes a multi-process job."""
+  env = os.environ
+  if env.get('JAX_COORDINATOR_ADDRESS'):
+    for key in ('JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'):
+      if not env.get(key, '').isdigit():
+        raise ValueError(f'JAX_COORDINATOR_ADDRESS is set, so {key} must be set to an integer, '
+                         f'got {env.get(key)!r}')
+    jax.distributed.initialize(coordinator_address=env['JAX_COORDINATOR_ADDRESS'],
+                               num_processes=int(env['JAX_NUM_PROCESSES']),
+                               process_id=int(env['JAX_PROCESS_ID']))
+  elif env.get('SLURM_JOB_ID') and int(env.get('SLURM_NTASKS', '1')) > 1:
+    jax.distributed.initialize()
+
+
+def mesh_shape(data: int, fsdp: int, num_devices: int) -> tuple[int, int]:
+  """(data, fsdp) with -1 resolved; errors name the config key."""
+  if fsdp < 1 or num_devices % fsdp:
+    raise ValueError(f'config.train.mesh_fsdp={fsdp} must be >= 1 and divide the {num_devices} devices')
+  if data == -1:
+    data = num_devices // fsdp
+  if data < 1 or data * fsdp != num_devices:
+    raise ValueError(f'config.train.mesh_data={data} x mesh_fsdp={fsdp} must equal the {num_devices} devices '
+                     '(mesh_data=-1 takes all that are left)')
+  return data, fsdp
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
+  devices = jax.devices() if devices is None else devices
+  shape = mesh_shape(data, fsdp, len(devices))
+  return Mesh(mesh_utils.create_device_mesh(shape, devices), AXES)
+
+
+def param_spec(shape: tuple[int, ...], fsdp: int) -> P:
+  """Splits the largest dimension that fsdp divides (the last such on ties) over 'fsdp'."""
+  if fsdp == 1 or int(np.prod(shape)) < MIN_SHARDED_SIZE:
+    return REPLICATED
+  dims = [d for d in range(len(shape)) if shape[d] % fsdp == 0]
+  if not dims:
+    return REPLICATED
+  best = max(dims, key=lambda d: (shape[d], d))
+  return P(*[('fsdp' if d == best else None) for d in range(len(shape))])
+
+
+def state_shardings(mesh: Mesh, abstract_tree):
+  """NamedShardings for a pytree of arrays / ShapeDtypeStructs (params, optimizer state, ...)."""
+  fsdp = mesh.shape['fsdp']
+  return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(tuple(np.shape(x)), fsdp)), abstract_tree)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, BATCH)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, REPLICATED)
+
+
+def global_batch(mesh: Mesh, local: dict) -> dict:
+  """This host's rows {name: [b, ...]} -> global arrays [b * processes, ...] split over the mesh."""
+  sharding = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()}
+
+
+def to_host(x) -> np.ndarray:
+  """The whole value of a global array as NumPy, on every host (a collective when it is split
+  over hosts: every host must call it)."""
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  if x.is_fully_replicated:
+    return np.asarray(x.addressable_data(0))
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def put(tree, shardings):
+  """Host values (the same on every host) -> global arrays laid out by `shardings` (a pytree)."""
+  def one(x, sharding):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+  return jax.tree.map(one, tree, shardings)

@@ -1,0 +1,42 @@
+"""TensorBoard summaries under WORKDIR/tensorboard (written by process 0 only).
+
+tensorboardX writes the event files without TensorFlow; view them with
+`tensorboard --logdir WORKDIR/tensorboard`.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+class Summaries:
+
+  def __init__(self, workdir: str, enabled: bool = True):
+    self.writer = None
+    if enabled:
+      from tensorboardX import SummaryWriter
+      self.writer = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+
+  def scalars(self, step: int, values: dict) -> None:
+    """Scalars, and vectors (e.g. per-stage weights) as one scalar per index: name/0, name/1, ..."""
+    if self.writer is None:
+      return
+    for name, value in sorted(values.items()):
+      value = np.asarray(value, np.float64)
+      if value.ndim == 0:
+        self.writer.add_scalar(name, float(value), step)
+      else:
+        for i, v in enumerate(value.reshape(-1)):
+          self.writer.add_scalar(f'{name}/{i}', float(v), step)
+    self.writer.flush()
+
+  def image(self, step: int, name: str, image: np.ndarray) -> None:
+    """uint8 [H, W, 3]."""
+    if self.writer is not None:
+      self.writer.add_image(name, image, step, dataformats='HWC')
+      self.writer.flush()
+
+  def close(self) -> None:
+    if self.writer is not None:
+      self.writer.close()

@@ -1,0 +1,218 @@
+"""Each model family behind one interface the trainer drives.
+
+A `Task` holds pure functions (all jit-compiled by the trainer):
+  init(key) -> (params, model_state)       trainable params and the family's extra state
+                                           (E-CAR's GradNorm state; {} for VAR and MAR)
+  inputs(frozen, batch, key) -> inputs     the frozen tokenizer turns a batch {'image' uint8
+                                           [B, H, W, 3] (or 'moments'), 'label' [B]} into the
+                                           model's inputs (no gradient flows into it)
+  loss(params, model_state, inputs, labels, key) -> (loss, (metrics, new model_state))
+  sample(params, frozen, key, labels) -> images [B, H, W, 3] in [0, 1]
+and `frozen`, the tokenizer's parameters (loaded from the config's checkpoint, or
+random with a warning when none is named).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from train import models
+from var_models import mar as mar_lib
+from var_models import var as var_lib
+from var_models.autoencoder_kl import AutoencoderKL, sample_posterior
+from var_models.mar_sampler import check_mar_sample_args, make_mar_sampler
+from var_models.var_sampler import check_sample_args, make_sampler
+from var_models.vqvae import VQVAE
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  family: str
+  image_size: int
+  num_classes: int
+  init: Callable[[Array], tuple[Any, Any]]
+  frozen: Any
+  inputs: Callable[[Any, dict, Array], Any]
+  loss: Callable[..., tuple[Array, tuple[dict, Any]]]
+  sample: Callable[[Any, Any, Array, Array], Array]
+  names: tuple[str, str]        # (trained, frozen) keys of an exported params checkpoint
+  # KL-VAE latent spaces (MAR, E-CAR on VAE latents), for the latent cache:
+  # images uint8 [B, H, W, 3] -> posterior moments [B, h, w, 2C] (mean, logvar).
+  moments: Optional[Callable[[Any, Array], Array]] = None
+
+
+def to_unit_range(images: Array) -> Array:
+  """uint8 [B, H, W, 3] -> float32 in [-1, 1]."""
+  return images.astype(jnp.float32) / 127.5 - 1.0
+
+
+def _vqvae_shapes(vq_cfg, key):
+  img = jnp.zeros((1, vq_cfg.image_size, vq_cfg.image_size, 3), jnp.float32)
+  return VQVAE(vq_cfg).init(key, img)['params']
+
+
+def _vae_shapes(vae_cfg, key):
+  img = jnp.zeros((1, vae_cfg.downsample, vae_cfg.downsample, 3), jnp.float32)
+  return AutoencoderKL(vae_cfg).init(key, img, key)['params']
+
+
+def random_stand_in(abstract, seed: int):
+  """NumPy parameters shaped like `abstract`: a random tokenizer for runs without a checkpoint.
+
+  Kernels ~ N(0, 1 / fan_in), codebooks ~ N(0, 1), norm scales 1, biases 0. Drawn
+  without compiling the tokenizer's init (slow for conv nets on a CPU).
+  """
+  rng = np.random.default_rng(seed)
+
+  def one(path, x):
+    name = str(getattr(path[-1], 'key', path[-1]))
+    if name == 'scale':
+      return np.ones(x.shape, np.float32)
+    if name == 'bias' or x.ndim < 2:
+      return np.zeros(x.shape, np.float32)
+    std = 1.0 if name == 'embedding' else 1 / np.sqrt(np.prod(x.shape[:-1]))
+    return (rng.standard_normal(x.shape) * std).astype(np.float32)
+  return jax.tree_util.tree_map_with_path(one, abstract)
+
+
+def _frozen(path: str, name: str, shapes: Callable[[Any, Array], Any], cfg, seed: int, config_key: str):
+  """The tokenizer from a checkpoint directory, else a random stand-in."""
+  abstract = jax.eval_shape(functools.partial(shapes, cfg), jax.random.key(seed))
+  if path:
+    return models.load_component(path, name, abstract)
+  logging.warning('config.%s is empty: the frozen %s is random, so samples will not look like the data',
+                  config_key, name)
+  return random_stand_in(abstract, seed)
+
+
+def _check_sample(check: Callable[[], Any]) -> Any:
+  """Runs a sampler's own argument check at start-up (not at the first grid), naming the section."""
+  try:
+    return check()
+  except ValueError as e:
+    raise ValueError(f'bad config.sample: {e}') from e
+
+
+def _finite(value, name: str) -> None:
+  if not np.isfinite(value):
+    raise ValueError(f'{name} must be finite, got {value}')
+
+
+def _per_scale_nll(logits: Array, targets: Array, begin_ends) -> dict:
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  return {f'loss/scale_{i}': jnp.mean(nll[:, b:e]) for i, (b, e) in enumerate(begin_ends)}
+
+
+def var_task(config) -> Task:
+  var_cfg, vq_cfg = models.var_configs(config)
+  model, vq = var_lib.VAR(var_cfg), VQVAE(vq_cfg)
+  frozen = _frozen(config.vqvae_ckpt, 'vqvae', _vqvae_shapes, vq_cfg, config.train.seed + 1, 'vqvae_ckpt')
+  begin_ends = var_cfg.schedule.begin_ends
+
+  def inputs(frozen, batch, key):
+    del key
+    idx = vq.apply({'params': frozen}, to_unit_range(batch['image']), method=VQVAE.img_to_indices)
+    x_tf = vq.apply({'params': frozen}, idx, method=VQVAE.indices_to_var_input)
+    return jax.lax.stop_gradient(x_tf), jnp.concatenate(idx, axis=1)
+
+  def loss(params, model_state, inputs, labels, key):
+    x_tf, targets = inputs
+    ce, logits = var_lib.loss_fn(model, params, labels, x_tf, targets, train=True, rng=key)
+    return ce, (_per_scale_nll(logits, targets, begin_ends), model_state)
+
+  s = config.sample
+  _check_sample(lambda: check_sample_args(var_cfg, np.zeros(1, np.int32), cfg=s.cfg, top_k=s.top_k, top_p=s.top_p))
+  sampler = make_sampler(var_cfg, vq_cfg)
+
+  def sample(params, frozen, key, labels):
+    return sampler({'var': params, 'vqvae': frozen}, key, labels, cfg=s.cfg, top_k=s.top_k, top_p=s.top_p)[0]
+
+  return Task('var', vq_cfg.image_size, var_cfg.num_classes, lambda k: (var_lib.init_params(var_cfg, k), {}),
+              frozen, inputs, loss, sample, ('var', 'vqvae'))
+
+
+def _kl_moments(vae: AutoencoderKL):
+  """images uint8 [B, H, W, 3] -> posterior moments [B, h, w, 2C] (mean, logvar) of a KL VAE."""
+  def moments(frozen, images):
+    mean, logvar = vae.apply({'params': frozen}, to_unit_range(images), method=AutoencoderKL.encode)
+    return jnp.concatenate([mean, logvar], axis=-1)
+  return moments
+
+
+def _posterior_draw(moments: Array, scale: float, key: Array) -> Array:
+  """A scaled posterior sample from moments [B, h, w, 2C] -> [B, h, w, C]."""
+  mean, logvar = jnp.split(moments.astype(jnp.float32), 2, axis=-1)
+  return jax.lax.stop_gradient(sample_posterior(mean, logvar, key) * scale)
+
+
+def mar_task(config) -> Task:
+  mar_cfg, vae_cfg = models.mar_configs(config)
+  model = mar_lib.MAR(mar_cfg)
+  frozen = _frozen(config.vae_ckpt, 'vae', _vae_shapes, vae_cfg, config.train.seed + 1, 'vae_ckpt')
+  moments = _kl_moments(AutoencoderKL(vae_cfg))
+
+  def inputs(frozen, batch, key):
+    m = batch['moments'] if 'moments' in batch else moments(frozen, batch['image'])
+    return _posterior_draw(m, vae_cfg.scaling_factor, key)
+
+  def loss(params, model_state, latents, labels, key):
+    return mar_lib.loss_fn(model, params, latents, labels, key, train=True), ({}, model_state)
+
+  s = config.sample
+  guided = s.cfg != 1.0
+  _check_sample(lambda: check_mar_sample_args(mar_cfg, np.zeros(1, np.int32), guidance=s.cfg, guided=guided,
+                                              cfg_schedule=s.cfg_schedule, temperature=s.temperature))
+  sampler = make_mar_sampler(mar_cfg, vae_cfg, num_iter=s.num_iter, guided=guided,
+                             num_diffusion_steps=s.num_diffusion_steps)
+
+  def sample(params, frozen, key, labels):
+    return sampler({'mar': params, 'vae': frozen}, key, labels, cfg=s.cfg, cfg_schedule=s.cfg_schedule,
+                   temperature=s.temperature)[0]
+
+  return Task('mar', mar_cfg.img_size, mar_cfg.class_num, lambda k: (mar_lib.init_params(mar_cfg, k), {}),
+              frozen, inputs, loss, sample, ('mar', 'vae'), moments)
+
+
+def ecar_task(config) -> Task:
+  """E-CAR: GradNorm's state is the model state; pixel space has no tokenizer (frozen None)."""
+  import ecar
+  cfg = ecar.ecar_config(config)
+  pixel = cfg.latent_space == 'pixel'
+  frozen = None if pixel else _frozen(config.vae_ckpt, 'vae', _vae_shapes, cfg.vae, config.train.seed + 1,
+                                      'vae_ckpt')
+  moments = None if pixel else _kl_moments(AutoencoderKL(cfg.vae))
+
+  def inputs(frozen, batch, key):
+    if 'moments' in batch:
+      return _posterior_draw(batch['moments'], cfg.vae.scaling_factor, key)
+    return ecar.encode_images(cfg, frozen, to_unit_range(batch['image']), key)
+
+  def loss(params, model_state, x0, labels, key):
+    return ecar.loss_fn(cfg, params, model_state, x0, labels, key, train=True)
+
+  _check_sample(lambda: _finite(config.sample.cfg_scale, 'cfg_scale'))
+  sampler = _check_sample(lambda: ecar.make_sampler(cfg, num_steps=config.sample.num_steps))
+
+  def sample(params, frozen, key, labels):
+    return sampler(params, frozen, key, labels, cfg_scale=config.sample.cfg_scale)[0]
+
+  return Task('ecar', cfg.image_size, cfg.num_classes, lambda k: (ecar.init_params(cfg, k), ecar.init_gradnorm(cfg)),
+              frozen, inputs, loss, sample, ('ecar', 'vae'), moments)
+
+
+BUILDERS = {'var': var_task, 'mar': mar_task, 'ecar': ecar_task}
+
+
+def make_task(config) -> Task:
+  if config.family not in BUILDERS:
+    raise ValueError(f'config.family must be one of {sorted(BUILDERS)}, got {config.family!r}')
+  return BUILDERS[config.family](config)

@@ -1,0 +1,36 @@
+"""FLOPs of a compiled step and the device's peak, for images/s and MFU."""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+
+# Dense bf16 peak FLOP/s per device (the vendors' figures without sparsity).
+PEAK_BF16 = {'H100': 989e12, 'H200': 989e12, 'H800': 989e12, 'A100': 312e12, 'B200': 2250e12,
+             'L40S': 362e12, 'A10G': 125e12}
+
+
+def peak_flops(device: jax.Device, override: float = 0.0) -> Optional[float]:
+  """Per-device peak FLOP/s: the override if set, else from the device kind; None if unknown."""
+  if override > 0:
+    return override
+  kind = getattr(device, 'device_kind', '')
+  return next((v for k, v in PEAK_BF16.items() if k in kind), None)
+
+
+def compiled_flops(compiled) -> Optional[float]:
+  """FLOPs of one call of a compiled (per-device, SPMD-partitioned) program, if XLA reports them."""
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # some backends do not implement it
+    return None
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  flops = (cost or {}).get('flops')
+  return float(flops) if flops and flops > 0 else None
+
+
+def mfu(flops_per_step: Optional[float], steps_per_s: float, peak: Optional[float]) -> Optional[float]:
+  if not flops_per_step or not peak:
+    return None
+  return flops_per_step * steps_per_s / peak

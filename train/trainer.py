@@ -1,0 +1,271 @@
+"""The training loop: build or resume the state, step, log, checkpoint, sample, export.
+
+WORKDIR holds checkpoints/ (resumed from when present), tensorboard/, samples/
+(PNG grids of EMA samples), config.json, and at the end params/ + meta.json: the
+EMA parameters with the frozen tokenizer, the layout `python -m train.sample --ckpt`
+reads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from typing import Optional
+
+import jax
+import numpy as np
+from absl import logging
+from tqdm import tqdm
+
+from train import grid as grid_lib
+from train import mesh as mesh_lib
+from train import throughput
+from train.checkpoints import Checkpoints, abstract_like
+from train.data.loader import Loader
+from train.data.sources import make_examples
+from train.optimizer import lr_schedule, make_optimizer
+from train.state import TrainState, abstract_state, sharded_init
+from train.step import compile_train_step
+from train.summaries import Summaries
+from train.tasks import Task, make_task
+from train.validate import check_config
+from var_models import checkpoint as params_ckpt
+
+
+class TrainingDiverged(RuntimeError):
+  pass
+
+
+class Preemption:
+  """SIGTERM (or, across hosts, JAX's preemption notice) asks the run to save and stop.
+
+  A context manager: the SIGTERM handler is installed for the run only.
+  """
+
+  def __init__(self):
+    self._requested, self._previous = False, None
+
+  def __enter__(self):
+    if jax.process_count() == 1:
+      self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+    return self
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None
+
+  def _on_signal(self, signum, frame):
+    del signum, frame
+    self._requested = True
+
+  def __call__(self, step: int) -> bool:
+    """Whether to save and stop after step `step` (the same answer on every host)."""
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self._requested
+
+
+@dataclasses.dataclass
+class Result:
+  state: TrainState
+  last_metrics: dict
+  preempted: bool
+
+
+def check_batch(t, num_devices: int) -> None:
+  if t.batch_size % (t.grad_accum * num_devices):
+    raise ValueError(f'config.train.batch_size={t.batch_size} must be a multiple of grad_accum '
+                     f'({t.grad_accum}) x devices ({num_devices})')
+
+
+def sample_labels(t, num_classes: int) -> np.ndarray:
+  """Row r of the grid is class r: [classes * per_class] int32."""
+  return np.repeat(np.arange(min(t.sample_classes, num_classes), dtype=np.int32), t.sample_per_class)
+
+
+class Trainer:
+
+  def __init__(self, config, workdir: str, preemption: Optional[Preemption] = None):
+    check_config(config)
+    self.config, self.t, self.workdir = config, config.train, os.path.abspath(workdir)
+    self.task: Task = make_task(config)
+    self.mesh = mesh_lib.make_mesh(self.t.mesh_data, self.t.mesh_fsdp)
+    check_batch(self.t, self.mesh.size)
+    self.is_main = jax.process_index() == 0
+    self.preemption = preemption or Preemption()
+    self.schedule = lr_schedule(self.t)
+    self.tx = make_optimizer(self.t, self.schedule)
+    example, num_examples = make_examples(config, self.task, self.workdir)
+    d = config.data
+    self.loader = Loader(example, num_examples, global_batch=self.t.batch_size, seed=self.t.seed,
+                         process_index=jax.process_index(), process_count=jax.process_count(),
+                         workers=d.workers, prefetch=d.prefetch)
+    self.ckpts = Checkpoints(self.workdir, self.t.keep_checkpoints)
+    try:
+      self.state = self._initial_state()
+    except Exception:
+      self.ckpts.close()
+      raise
+    self.frozen = mesh_lib.put(self.task.frozen, mesh_lib.state_shardings(self.mesh, self.task.frozen))
+    self.summaries = Summaries(self.workdir, enabled=self.is_main)
+
+  # ---- state ----
+
+  def _meta(self, step: int) -> dict:
+    return {'family': self.config.family, 'step': step, 'batch_size': self.t.batch_size,
+            'data_position': step * self.t.batch_size, 'seed': self.t.seed,
+            'config': json.loads(self.config.to_json_best_effort())}
+
+  def _initial_state(self) -> TrainState:
+    if self.ckpts.latest_step() is None:
+      state, self.shardings = sharded_init(self.task.init, self.tx, self.mesh, self.t.seed)
+      return state
+    abstract, self.shardings = abstract_state(self.task.init, self.tx, self.mesh, self.t.seed)
+    state, meta = self.ckpts.restore(abstract_like(abstract, self.shardings),
+                                     {'family': self.config.family, 'batch_size': self.t.batch_size,
+                                      'seed': self.t.seed})
+    logging.info('resumed from step %d (data position %d)', meta['step'], meta['data_position'])
+    return state
+
+  # ---- outputs ----
+
+  def save(self, step: int) -> None:
+    self.ckpts.save(step, self.state, self._meta(step))
+
+  def sample_grid(self, step: int) -> Optional[str]:
+    labels = sample_labels(self.t, self.task.num_classes)
+    if labels.size == 0:
+      return None
+    rep = mesh_lib.replicated(self.mesh)
+    key = jax.random.key(self.t.sample_seed)
+    images = self.task.sample(self.state.ema_params, self.frozen, key,
+                              jax.device_put(labels, rep) if jax.process_count() > 1 else labels)
+    images = mesh_lib.to_host(images)
+    if not self.is_main:
+      return None
+    path = grid_lib.save_grid(images, os.path.join(self.workdir, 'samples', f'step_{step:07d}.png'),
+                              ncol=self.t.sample_per_class)
+    self.summaries.image(step, 'samples/ema', grid_lib.make_grid(images, ncol=self.t.sample_per_class))
+    return path
+
+  def export(self) -> None:
+    """EMA params + frozen tokenizer in the `python -m train.sample --ckpt WORKDIR` layout."""
+    trained, frozen = self.task.names
+    params = {trained: self.state.ema_params}
+    if self.frozen is not None:  # pixel-space models have no tokenizer
+      params[frozen] = self.frozen
+    params_ckpt.save_params(self.workdir, params,
+                            {'family': self.config.family, 'step': int(self.state.step), 'ema': True})
+
+  # ---- loop ----
+
+  def run(self) -> Result:
+    """Steps to config.train.steps (or a preemption); always leaves the checkpoints consistent."""
+    if self.is_main:
+      with open(os.path.join(self.workdir, 'config.json'), 'w') as f:
+        f.write(self.config.to_json_best_effort(indent=2))
+    try:
+      with self.preemption:
+        return self._loop(int(mesh_lib.to_host(self.state.step)))
+    finally:
+      self.ckpts.wait()
+      self.ckpts.close()
+      self.summaries.close()
+
+  def _loop(self, start: int) -> Result:
+    t = self.t
+    if start >= t.steps:
+      return Result(self.state, {}, False)
+    batches = self.loader.iterate(start)
+    first = mesh_lib.global_batch(self.mesh, next(batches))
+    step_fn, _ = compile_train_step(self.task, self.tx, self.schedule, t, self.mesh, self.shardings,
+                                    self.state, self.frozen, first)
+    meter = _Meter(t, throughput.compiled_flops(step_fn),
+                   throughput.peak_flops(jax.devices()[0], t.peak_flops))
+    bar = tqdm(total=t.steps, initial=start, desc=f'train {self.config.family}', unit='step',
+               disable=not self.is_main, dynamic_ncols=True)
+    pending, last, preempted = None, {}, False
+    try:
+      for step in range(start, t.steps):
+        batch = first if step == start else mesh_lib.global_batch(self.mesh, next(batches))
+        self.state, metrics = step_fn(self.state, self.frozen, batch)
+        if pending is not None:   # the previous step's metrics: fetching them does not stall this one
+          last = self._after_step(*pending, meter, bar)
+        pending, done = (step + 1, metrics), step + 1
+        checkpoint = done % t.ckpt_every == 0 or done == t.steps
+        sample = done % t.sample_every == 0 or done == t.steps
+        if checkpoint or sample:
+          last, pending = self._after_step(*pending, meter, bar), None
+          if checkpoint:
+            self.save(done)
+          if sample:
+            self.sample_grid(done)
+          meter.restart()
+        if self.preemption(done):
+          if pending is not None:
+            last, pending = self._after_step(*pending, meter, bar), None
+          self.save(done)
+          preempted = True
+          logging.warning('preempted: saved step %d; run the same command to resume', done)
+          break
+      if pending is not None:
+        last = self._after_step(*pending, meter, bar)
+      if not preempted:
+        self.export()
+    finally:
+      bar.close()
+      batches.close()
+    return Result(self.state, last, preempted)
+
+  def _after_step(self, step: int, metrics, meter: '_Meter', bar) -> dict:
+    values = {k: mesh_lib.to_host(v) for k, v in metrics.items()}
+    bar.update(1)
+    if values['bad_in_a_row'] >= self.t.max_bad_steps:
+      raise TrainingDiverged(
+          f'{int(values["bad_in_a_row"])} steps in a row had a non-finite loss or gradient (up to step {step}; '
+          f'config.train.max_bad_steps={self.t.max_bad_steps}); the last checkpoint in '
+          f'{self.ckpts.directory} holds the parameters before them')
+    meter.add(values)
+    if step % self.t.log_every == 0 or step == self.t.steps:
+      summary = meter.summary()
+      self.summaries.scalars(step, summary)
+      bar.set_postfix(loss=f'{summary["loss"]:.4f}', skipped=int(values['skipped']))
+    return values
+
+
+_COUNTERS = ('skipped', 'bad_in_a_row')
+
+
+class _Meter:
+  """Means of the step metrics and the speed since the last summary."""
+
+  def __init__(self, t, flops_per_step, peak):
+    self.batch, self.flops, self.peak = t.batch_size, flops_per_step, peak
+    self.restart()
+
+  def restart(self):
+    self.sums, self.count, self.skipped, self.t0 = {}, 0, 0, time.perf_counter()
+
+  def add(self, values: dict):
+    for k, v in values.items():
+      if k not in _COUNTERS:
+        self.sums[k] = self.sums.get(k, 0.0) + np.asarray(v, np.float64)
+    self.skipped = values['skipped']
+    self.count += 1
+
+  def summary(self) -> dict:
+    out = {k: v / max(self.count, 1) for k, v in self.sums.items()}
+    out['skipped_steps'] = self.skipped
+    dt = time.perf_counter() - self.t0
+    if self.count and dt > 0:
+      steps_per_s = self.count / dt
+      out['perf/images_per_s'] = steps_per_s * self.batch
+      mfu = throughput.mfu(self.flops, steps_per_s, self.peak)
+      if mfu is not None:
+        out['perf/mfu'] = mfu
+    self.restart()
+    return out
