@@ -1,22 +1,16 @@
-"""E-CAR's transformer layers: the AR's pre-LN ViT block with a KV cache, the denoisers'
-DiT block whose adaLN modulation varies per token, and patch (un)folding.
-
-`ARBlock` is timm's ViT block (`var_models.vit.Block`: affine LayerNorm, qkv
-with bias, exact GELU) with one addition the shared block lacks: its attention
-can append to and read from a `KVCache`, so the sampler runs one stage at a
-time. Both of its sub-layers go through `blocks.residual`, the policy hook point.
-"""
+"""E-CAR's denoiser layers: the DiT block whose adaLN modulation varies per token, its final
+layer, and patch (un)folding. The AR's block is the shared timm ViT block
+(`var_models.vit.Block`), whose attention appends to and reads a `KVCache`."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from var_models import attention as attn_lib
-from var_models.blocks import FFN, BlockHooks, layer_norm, modulate, residual
-from var_models.vit import Mlp, torch_layer_norm, xavier_uniform
+from var_models.blocks import FFN, layer_norm, modulate
+from var_models.vit import Attention, xavier_uniform
 
 Array = jax.Array
 _zeros = nn.initializers.zeros
@@ -37,62 +31,6 @@ def unpatchify(x: Array, p: int, side: int) -> Array:
   return x.reshape(b, side, side, c)
 
 
-class SelfAttention(nn.Module):
-  """Multi-head attention with a fused qkv (bias) and an optional KV cache. x [B, l, C] -> [B, l, C]."""
-  width: int
-  num_heads: int
-  backend: str = 'xla'
-  dtype: Any = jnp.float32
-
-  def setup(self):
-    self.qkv = nn.Dense(3 * self.width, kernel_init=xavier_uniform, dtype=self.dtype)
-    self.proj = nn.Dense(self.width, kernel_init=xavier_uniform, dtype=self.dtype)
-
-  def __call__(self, x: Array, *, mask: attn_lib.Mask = None, kv: Optional[attn_lib.KVCache] = None):
-    """Returns (out, kv); with a cache, this call's k and v are appended and every cached key is seen."""
-    b, l, c = x.shape
-    h = self.num_heads
-    q, k, v = jnp.moveaxis(self.qkv(x).reshape(b, l, 3, h, c // h), 2, 0)
-    kv_len = None
-    if kv is not None:
-      kv = kv.append(k, v)
-      if mask is None:  # read the buffer in place
-        k, v, kv_len = kv.k, kv.v, kv.length
-      else:
-        k, v = kv.keys(), kv.values()
-    out = attn_lib.attention(q, k, v, mask=mask, backend=self.backend, kv_len=kv_len)
-    return self.proj(out.reshape(b, l, c)), kv
-
-
-class ARBlock(nn.Module):
-  """Pre-LN ViT block. x [B, l, C] -> [B, l, C]."""
-  width: int
-  num_heads: int
-  mlp_ratio: float
-  backend: str = 'xla'
-  dtype: Any = jnp.float32
-
-  def setup(self):
-    self.norm1 = torch_layer_norm(1e-6, self.dtype)
-    self.attn = SelfAttention(self.width, self.num_heads, self.backend, self.dtype)
-    self.norm2 = torch_layer_norm(1e-6, self.dtype)
-    self.mlp = Mlp(self.width, int(self.width * self.mlp_ratio), dtype=self.dtype)
-
-  def __call__(self, x: Array, *, mask: attn_lib.Mask = None, kv: Optional[attn_lib.KVCache] = None,
-               hooks: Optional[BlockHooks] = None, state: Any = None):
-    """Returns (x, kv, state); hooks (from a sampling policy) select and restore tokens around
-    each sub-layer as in `blocks.residual`, and only the forwarded tokens enter the cache."""
-    def attn_branch(h, idx, state):
-      return (*self.attn(self.norm1(h), mask=mask, kv=kv), state)
-
-    def mlp_branch(h, idx, state):
-      return self.mlp(self.norm2(h)), None, state
-
-    x, new_kv, state = residual(self, x, attn_branch, 'attn', hooks, state, 0.0, True)
-    x, _, state = residual(self, x, mlp_branch, 'ffn', hooks, state, 0.0, True)
-    return x, new_kv, state
-
-
 class DiTBlock(nn.Module):
   """DiT block whose six modulation vectors come per token from c [B, l, C] (E-CAR's spatially
   varying condition). x [B, l, C] -> [B, l, C]. adaLN-zero: the block starts as the identity."""
@@ -106,7 +44,7 @@ class DiTBlock(nn.Module):
     w = self.width
     self.adaLN_modulation = nn.Dense(6 * w, kernel_init=_zeros, dtype=self.dtype)
     self.norm = layer_norm(1e-6, self.dtype)
-    self.attn = SelfAttention(w, self.num_heads, self.backend, self.dtype)
+    self.attn = Attention(w, self.num_heads, backend=self.backend, dtype=self.dtype)
     self.mlp = FFN(w, int(w * self.mlp_ratio), xavier_uniform, xavier_uniform, dtype=self.dtype)
 
   def __call__(self, x: Array, c: Array) -> Array:

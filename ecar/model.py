@@ -44,11 +44,11 @@ import numpy as np
 
 from ecar.config import ECARConfig
 from ecar.flow import up2
-from ecar.layers import ARBlock, DiTBlock, FinalLayer, patchify, unpatchify
+from ecar.layers import DiTBlock, FinalLayer, patchify, unpatchify
 from var_models import attention as attn_lib
 from var_models.blocks import BlockHooks
 from var_models.diffloss import TimestepEmbedder
-from var_models.vit import torch_layer_norm, xavier_uniform
+from var_models.vit import Block, torch_layer_norm, xavier_uniform
 
 Array = jax.Array
 _embed_init = nn.initializers.normal(0.02)
@@ -69,7 +69,7 @@ class ARTransformer(nn.Module):
     self.stage_emb = nn.Embed(cfg.num_stages, c, embedding_init=_embed_init)
     if cfg.ar_depth > 0 and cfg.num_stages > 1:
       self.input_proj = nn.Dense(c, kernel_init=xavier_uniform)
-    self.blocks = [ARBlock(c, cfg.ar_heads, cfg.mlp_ratio, cfg.attn_backend, cfg.dtype)
+    self.blocks = [Block(c, cfg.ar_heads, cfg.mlp_ratio, backend=cfg.attn_backend, dtype=cfg.dtype)
                    for _ in range(cfg.ar_depth)]
     self.norm = torch_layer_norm(1e-6)
 

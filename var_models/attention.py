@@ -175,6 +175,15 @@ class KVCache:
     v_all = self.v.at[:, self.length:end].set(v.astype(self.v.dtype))
     return KVCache(k_all, v_all, end)
 
+  def attend(self, k: jax.Array, v: jax.Array, mask: 'Mask'):
+    """Appends k, v and returns (keys, values, kv_len, new cache): what the new queries attend
+    to. Unmasked, the buffer is read in place with its valid length `kv_len`; a mask needs
+    the exact key set (kv_len None)."""
+    kv = self.append(k, v)
+    if mask is None:
+      return kv.k, kv.v, kv.length, kv
+    return kv.keys(), kv.values(), None, kv
+
   def keys(self) -> jax.Array:
     return self.k[:, :self.length]
 

@@ -86,12 +86,7 @@ class SelfAttention(nn.Module):
       scale = 0.25 / math.sqrt(d)
     kv_len = None
     if kv is not None:
-      kv = kv.append(k, v)
-      # Unmasked steps read the cache buffer in place; a mask needs the exact key set.
-      if mask is None:
-        k, v, kv_len = kv.k, kv.v, kv.length
-      else:
-        k, v = kv.keys(), kv.values()
+      k, v, kv_len, kv = kv.attend(k, v, mask)
     out = attn_lib.attention(q, k, v, mask=mask, scale=scale, backend=self.backend, kv_len=kv_len)
     return self.drop(self.proj(out.reshape(b, l, c)), deterministic=deterministic), kv
 

@@ -230,8 +230,8 @@ class MAR(nn.Module):
   def _run(self, blocks, x: Array, mask: attn_lib.Mask, train: bool, hooks, state):
     x = x.astype(self.cfg.dtype)
     for i, block in enumerate(blocks):
-      x, state = block(x, mask=mask, hooks=None if hooks is None else hooks[i], state=state,
-                       deterministic=not train)
+      x, _, state = block(x, mask=mask, hooks=None if hooks is None else hooks[i], state=state,
+                          deterministic=not train)
     return x, state
 
   # ---- the pieces of the encoder and decoder (samplers call them with policy hooks) ----

@@ -45,22 +45,24 @@ class Attention(nn.Module):
     self.proj = nn.Dense(self.width, kernel_init=self.kernel_init, dtype=self.dtype)
     self.drop = nn.Dropout(self.proj_drop)
 
-  def __call__(self, x: Array, *, mask: attn_lib.Mask = None, kv_hook: Optional[Callable] = None,
-               deterministic: bool = True):
-    """Returns (out, kv_hook's state). `kv_hook(k, v) -> (k, v, state)` replaces the keys
-    and values of x's tokens by what the queries attend to (a policy's cache); without it
-    state is None."""
+  def __call__(self, x: Array, *, mask: attn_lib.Mask = None, kv: Optional[attn_lib.KVCache] = None,
+               kv_hook: Optional[Callable] = None, deterministic: bool = True):
+    """Returns (out, kv, kv_hook's state). With a cache, x's keys and values are appended and
+    the queries see every cached one. `kv_hook(k, v) -> (k, v, state)` instead replaces
+    them by what a policy's cache holds; without it state is None."""
     b, l, c = x.shape
     h = self.num_heads
     q, k, v = jnp.moveaxis(self.qkv(x).reshape(b, l, 3, h, c // h), 2, 0)
-    state = None
+    state, kv_len = None, None
     if kv_hook is not None:
       k, v, state = kv_hook(k, v)
+    if kv is not None:
+      k, v, kv_len, kv = kv.attend(k, v, mask)
     dropping = not deterministic and self.attn_drop > 0
-    out = attn_lib.attention(q, k, v, mask=mask, backend=self.backend,
+    out = attn_lib.attention(q, k, v, mask=mask, backend=self.backend, kv_len=kv_len,
                              dropout_rate=self.attn_drop if dropping else 0.0,
                              dropout_rng=self.make_rng('dropout') if dropping else None)
-    return self.drop(self.proj(out.reshape(b, l, c)), deterministic=deterministic), state
+    return self.drop(self.proj(out.reshape(b, l, c)), deterministic=deterministic), kv, state
 
 
 class Mlp(nn.Module):
@@ -108,20 +110,20 @@ class Block(nn.Module):
     # int(), not round(): timm truncates the hidden width.
     self.mlp = Mlp(c, int(c * self.mlp_ratio), self.proj_drop, self.kernel_init, self.dtype)
 
-  def __call__(self, x: Array, *, mask: attn_lib.Mask = None, hooks: Optional[BlockHooks] = None,
-               state: Any = None, deterministic: bool = True):
-    """Returns (x, state). `mask` applies to the keys the attention sees: x's tokens, or
-    what `hooks.kv` returns; hooks carry `state` as in `blocks.residual`."""
+  def __call__(self, x: Array, *, mask: attn_lib.Mask = None, kv: Optional[attn_lib.KVCache] = None,
+               hooks: Optional[BlockHooks] = None, state: Any = None, deterministic: bool = True):
+    """Returns (x, kv, state). `mask` applies to the keys the attention sees: x's tokens (after
+    the cache's, with `kv`), or what `hooks.kv` returns; hooks carry `state` as in
+    `blocks.residual`, and only the tokens they forward enter the cache."""
     def attn_branch(h, idx, state):
-      if hooks is None:
-        return self.attn(self.norm1(h), mask=mask, deterministic=deterministic)[0], None, state
-      out, state = self.attn(self.norm1(h), mask=mask, kv_hook=lambda k, v: hooks.kv(k, v, idx, state),
-                             deterministic=deterministic)
-      return out, None, state
+      kv_hook = None if hooks is None else (lambda k, v: hooks.kv(k, v, idx, state))
+      out, new_kv, hook_state = self.attn(self.norm1(h), mask=mask, kv=kv, kv_hook=kv_hook,
+                                          deterministic=deterministic)
+      return out, new_kv, state if hooks is None else hook_state
 
     def mlp_branch(h, idx, state):
       return self.mlp(self.norm2(h), deterministic), None, state
 
-    x, _, state = residual(self, x, attn_branch, 'attn', hooks, state, self.drop_path_rate, deterministic)
+    x, new_kv, state = residual(self, x, attn_branch, 'attn', hooks, state, self.drop_path_rate, deterministic)
     x, _, state = residual(self, x, mlp_branch, 'ffn', hooks, state, self.drop_path_rate, deterministic)
-    return x, state
+    return x, new_kv, state
