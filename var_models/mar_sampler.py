@@ -121,7 +121,8 @@ class _MARSampler:
             dict(cfg_schedule=cfg_schedule))
 
   def _sample(self, params, key, labels, cfg, temperature, *, cfg_schedule):
-    params = {**params, 'mar': {**params['mar'], 'diffloss': dense_params_in(params['mar']['diffloss'], self.cfg.dtype)}}
+    head = dense_params_in(params['mar']['diffloss'], self.cfg.dtype)
+    params = {**params, 'mar': {**params['mar'], 'diffloss': head}}
     mc, mp = self.cfg, {'params': params['mar']}
     b, n, d = labels.shape[0], mc.seq_len, mc.token_embed_dim
     key, k_order = jax.random.split(key)
