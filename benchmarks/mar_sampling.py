@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import mar as mar_configs
-from timing import time_compiled, top_device_ops
+from timing import print_top_device_ops, time_compiled
 from train import models
 from var_models.mar_sampler import make_mar_sampler
 
@@ -55,11 +55,8 @@ def main():
       row = dict(size=size, batch=batch, num_iter=num_iter, steps=args.steps, **row)
       rows.append(row)
       if args.profile:
-        ops, busy = top_device_ops(lambda: jax.block_until_ready(compiled(params, jax.random.key(9), lab, cfg, temp)),
-                                   args.profile, top=30)
-        print(f'  device lines, busy ms in one call: {busy}', flush=True)
-        for line, name, ms, n in ops:
-          print(f'  {ms:8.2f} ms  x{n:<6} [{line[:12]}] {name[:100]}', flush=True)
+        print_top_device_ops(lambda: jax.block_until_ready(compiled(params, jax.random.key(9), lab, cfg, temp)),
+                             args.profile)
       print(f"MAR-{size:5} B={batch:<3} compile {row['compile_s']:6.1f} s  median {row['median_ms']:9.1f} ms  "
             f"per image {row['per_image_ms']:8.2f} ms  [{row['min_ms']:.1f}, {row['max_ms']:.1f}]", flush=True)
   if args.json:

@@ -67,3 +67,11 @@ def top_device_ops(run: Callable[[], None], logdir: str, top: int = 25):
       count[line, e['name']] += 1
       busy[line] += e.get('dur', 0) / 1e3
   return [(line, name, ms, count[line, name]) for (line, name), ms in total.most_common(top)], dict(busy)
+
+
+def print_top_device_ops(run: Callable[[], None], logdir: str, top: int = 30) -> None:
+  """Traces run() (see `top_device_ops`) and prints each device line's busy time and the top ops."""
+  ops, busy = top_device_ops(run, logdir, top)
+  print(f'  device lines, busy ms in one call: {busy}', flush=True)
+  for line, name, ms, n in ops:
+    print(f'  {ms:8.2f} ms  x{n:<6} [{line[:20]}] {name[:100]}', flush=True)

@@ -19,7 +19,7 @@ import numpy as np
 from var_models.var import VARConfig
 from var_models.var_sampler import make_sampler
 from var_models.vqvae import VQVAE, VQVAEConfig
-from timing import entry_op_counts, time_compiled, top_device_ops
+from timing import entry_op_counts, print_top_device_ops, time_compiled
 from train.models import init_var_params
 
 
@@ -38,11 +38,8 @@ def time_sampler(sample, params, batch: int, warmup: int, iters: int, hlo_stats:
   if hlo_stats:
     print('  entry ops:', entry_op_counts(compiled), flush=True)
   if profile:
-    ops, busy = top_device_ops(lambda: jax.block_until_ready(compiled(params, jax.random.key(7), lab, cfg)),
-                               profile, top=40)
-    print(f'  device lines, busy ms in one call: {busy}', flush=True)
-    for line, name, ms, n in ops:
-      print(f'  {ms:8.2f} ms  x{n:<4} [{line[:20]}] {name[:100]}', flush=True)
+    print_top_device_ops(lambda: jax.block_until_ready(compiled(params, jax.random.key(7), lab, cfg)), profile,
+                         top=40)
   return row
 
 

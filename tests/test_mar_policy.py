@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from var_models import mar as mar_lib
 from var_models import tokens as tok
 from var_models.blocks import BlockHooks
 from var_models.mar_policy import IterPlan, MARPolicy

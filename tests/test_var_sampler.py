@@ -4,7 +4,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from var_models import tokens as tok
 from var_models.blocks import BlockHooks
 from var_models.policy import ScalePolicy, Step
 from var_models.var import VAR

@@ -13,8 +13,7 @@ Arguments are checked before anything compiles.
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
