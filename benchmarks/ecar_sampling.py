@@ -7,9 +7,9 @@ Random weights (our init; the SDXL VAE random too: its cost does not depend on i
 values), 250 Euler steps in all (a third per stage), CFG with the doubled batch
 (scale 1.5), VAE decoding included. Compile time is measured apart (lower +
 compile); run times are medians over --iters calls after --warmup calls, each
-with a fresh key, timed on the host after block_until_ready. FLOPs per image come
-from XLA's cost analysis (`ecar.sampling_flops`), with and without the VAE
-decoder; the paper reports 1T / 3.2T / 5.8T for S / B / L.
+with a fresh key, timed on the host after block_until_ready. FLOPs per image are
+matmul FLOPs counted on the sampler's jaxpr (`ecar.sampling_flops`), with and
+without the VAE decoder; the paper reports 1T / 3.2T / 5.8T for S / B / L.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import numpy as np
 
 import ecar
 from configs import ecar as ecar_configs
-from timing import time_compiled
+from timing import print_top_device_ops, time_compiled
 
 
 def model_config(variant: str, dtype: str, backend: str):
@@ -31,12 +31,16 @@ def model_config(variant: str, dtype: str, backend: str):
   return ecar.ecar_config(c)
 
 
-def time_sampler(cfg, params, vae, batch: int, steps: int, cfg_scale: float, warmup: int, iters: int) -> dict:
+def time_sampler(cfg, params, vae, batch: int, steps: int, cfg_scale: float, warmup: int, iters: int,
+                 profile: str = '') -> dict:
   sample = ecar.make_sampler(cfg, num_steps=steps)
   labels = np.arange(batch, dtype=np.int32) % cfg.num_classes
   lab, scale = jnp.asarray(labels), jnp.float32(cfg_scale)
-  _, row = time_compiled(sample.lower(params, vae, jax.random.key(0), labels, cfg_scale=cfg_scale),
-                         lambda i: (params, vae, jax.random.key(i), lab, scale), batch, warmup, iters)
+  compiled, row = time_compiled(sample.lower(params, vae, jax.random.key(0), labels, cfg_scale=cfg_scale),
+                                lambda i: (params, vae, jax.random.key(i), lab, scale), batch, warmup, iters)
+  if profile:
+    print_top_device_ops(lambda: jax.block_until_ready(compiled(params, vae, jax.random.key(7), lab, scale)),
+                         profile)
   return row
 
 
@@ -52,6 +56,7 @@ def main():
   ap.add_argument('--iters', type=int, default=10)
   ap.add_argument('--no_flops', action='store_true', help='skip the FLOP count (one more compile per variant)')
   ap.add_argument('--json', default=None, help='also write the rows here')
+  ap.add_argument('--profile', default='', help='trace one call per shape into this folder; print the top kernels')
   args = ap.parse_args()
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   rows = []
@@ -67,7 +72,8 @@ def main():
             f"({flops['per_image_without_decode'] / 1e9:.1f} G without the VAE decoder), "
             f"steps per stage {flops['steps_per_stage']}", flush=True)
     for batch in [int(b) for b in args.batches.split(',')]:
-      r = time_sampler(cfg, params, vae, batch, args.steps, args.cfg_scale, args.warmup, args.iters)
+      r = time_sampler(cfg, params, vae, batch, args.steps, args.cfg_scale, args.warmup, args.iters,
+                       args.profile)
       r.update(variant=variant, batch=batch, steps=args.steps, dtype=args.dtype, backend=args.backend,
                tflops_per_image=None if not flops else flops['per_image'] / 1e12)
       rows.append(r)

@@ -12,13 +12,27 @@ from typing import Callable
 import jax
 
 
-def time_compiled(lowered, make_args: Callable[[int], tuple], batch: int, warmup: int, iters: int):
-  """Compiles `lowered`, then times calls with make_args(i) (fresh keys per call).
+def xla_variants(spec: str) -> list[dict]:
+  """'a=1,b=true;c=x' -> [{'a': 1, 'b': True}, {'c': 'x'}]: one dict of XLA compiler
+  options per ';'-separated variant ('' is XLA's defaults)."""
+  def value(text):
+    try:
+      return json.loads(text)
+    except json.JSONDecodeError:
+      return text
+  return [{k: value(v) for k, v in (kv.split('=', 1) for kv in variant.split(',') if kv)}
+          for variant in spec.split(';')]
+
+
+def time_compiled(lowered, make_args: Callable[[int], tuple], batch: int, warmup: int, iters: int,
+                  compiler_options: dict | None = None):
+  """Compiles `lowered` (with XLA `compiler_options`), then times calls with make_args(i)
+  (fresh keys per call).
 
   Returns (compiled, row) with compile seconds and median / min / max milliseconds.
   """
   t0 = time.perf_counter()
-  compiled = lowered.compile()
+  compiled = lowered.compile(compiler_options=compiler_options or None)
   compile_s = time.perf_counter() - t0
   times = []
   for i in range(warmup + iters):

@@ -9,12 +9,13 @@ random batch (no input pipeline) and random frozen tokenizers. E-CAR on VAE late
 and MAR read pre-computed posteriors (the latent cache), so the step holds only the
 trained model; --encode puts the VAE encoder back into the step. Compile time is
 apart; step times are medians over --iters steps after --warmup steps, timed on the
-host after block_until_ready. MFU = XLA's FLOPs of the per-device program x steps/s
-over the device's dense bf16 peak.
+host after block_until_ready. MFU = the step's matmul FLOPs (`var_models.flop_count`,
+split over the devices) x steps/s over the device's dense bf16 peak.
 
 Then, for each N > 1, the first --check_steps losses on N devices against one
-device at the same global batch (N x batch_per_device): the same computation,
-split over the mesh, must give the same losses within --rtol.
+device at the same global batch, batch_per_device (what one device holds; the N
+devices take batch_per_device / N each): the same computation, split over the
+mesh, must give the same losses within --rtol.
 """
 from __future__ import annotations
 
@@ -67,13 +68,13 @@ def build(config, task, devices: int, batch: dict):
   state, shardings = sharded_init(task.init, tx, mesh, t.seed)
   frozen = mesh_lib.put(task.frozen, mesh_lib.state_shardings(mesh, task.frozen))
   glob = mesh_lib.global_batch(mesh, batch)
-  step, compile_s = compile_train_step(task, tx, schedule, t, mesh, shardings, state, frozen, glob)
-  return step, state, frozen, glob, compile_s
+  step, compile_s, flops = compile_train_step(task, tx, schedule, t, mesh, shardings, state, frozen, glob)
+  return step, state, frozen, glob, compile_s, flops
 
 
 def time_steps(config, task, devices: int, per_device: int, args) -> dict:
   batch = random_batch(task, per_device * devices, args.encode, 0)
-  step, state, frozen, glob, compile_s = build(config, task, devices, batch)
+  step, state, frozen, glob, compile_s, flops = build(config, task, devices, batch)
   times = []
   for i in range(args.warmup + args.iters):
     t0 = time.perf_counter()
@@ -83,13 +84,13 @@ def time_steps(config, task, devices: int, per_device: int, args) -> dict:
       times.append(time.perf_counter() - t0)
   med = statistics.median(times)
   peak = throughput.peak_flops(jax.devices()[0], args.peak_flops)
-  mfu = throughput.mfu(throughput.compiled_flops(step), 1 / med, peak)
+  mfu = throughput.mfu(flops, 1 / med, peak)
   return dict(devices=devices, batch=per_device * devices, compile_s=compile_s, step_ms=med * 1e3,
               images_per_s=per_device * devices / med, mfu=mfu, loss=float(metrics['loss']))
 
 
 def first_losses(config, task, devices: int, batch: int, steps: int, encode: bool) -> list[float]:
-  step, state, frozen, glob, _ = build(config, task, devices, random_batch(task, batch, encode, 1))
+  step, state, frozen, glob, *_ = build(config, task, devices, random_batch(task, batch, encode, 1))
   losses = []
   for _ in range(steps):
     state, metrics = step(state, frozen, glob)
@@ -114,6 +115,9 @@ def main():
   counts = [int(n) for n in args.devices.split(',')]
   if max(counts) > jax.device_count():
     raise SystemExit(f'--devices {args.devices}: only {jax.device_count()} devices here')
+  if any(args.batch_per_device % n for n in counts):
+    raise SystemExit(f'--batch_per_device {args.batch_per_device} must split evenly over --devices {args.devices} '
+                     'for the loss check')
   print(f'{jax.devices()[0].device_kind} x {jax.device_count()}, jax {jax.__version__}, '
         f'{args.batch_per_device} images per device, {"images" if args.encode else "cached latents"}')
   print('| model | devices | global batch | compile s | step ms | images/s | MFU | scaling |')
@@ -129,8 +133,8 @@ def main():
       print(f'| {spec} | {n} | {row["batch"]} | {row["compile_s"]:.1f} | {row["step_ms"]:.1f} | '
             f'{row["images_per_s"]:.1f} | {mfu} | {row["images_per_s"] / base:.2f} |', flush=True)
     for n in (c for c in counts if c > 1):
-      one = first_losses(config, task, 1, args.batch_per_device * n, args.check_steps, args.encode)
-      many = first_losses(config, task, n, args.batch_per_device * n, args.check_steps, args.encode)
+      one = first_losses(config, task, 1, args.batch_per_device, args.check_steps, args.encode)
+      many = first_losses(config, task, n, args.batch_per_device, args.check_steps, args.encode)
       ok = np.allclose(many, one, rtol=args.rtol)
       print(f'{spec}: first losses, 1 device {np.round(one, 5).tolist()} vs {n} devices '
             f'{np.round(many, 5).tolist()}: {"equal" if ok else "DIFFERENT"} within rtol {args.rtol}', flush=True)

@@ -10,6 +10,7 @@ fresh key, timed on the host after block_until_ready.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import jax
@@ -19,7 +20,7 @@ import numpy as np
 from var_models.var import VARConfig
 from var_models.var_sampler import make_sampler
 from var_models.vqvae import VQVAE, VQVAEConfig
-from timing import entry_op_counts, print_top_device_ops, time_compiled
+from timing import entry_op_counts, print_top_device_ops, time_compiled, xla_variants
 from train.models import init_var_params
 
 
@@ -29,12 +30,12 @@ def cast_var_params(params, dtype):
 
 
 def time_sampler(sample, params, batch: int, warmup: int, iters: int, hlo_stats: bool = False,
-                 profile: str = '') -> dict:
+                 profile: str = '', xla: dict | None = None) -> dict:
   labels = np.arange(batch, dtype=np.int32) % 1000
   opts = dict(cfg=1.5, top_k=900, top_p=0.96)
   lab, cfg = jnp.asarray(labels), jnp.float32(opts['cfg'])
   compiled, row = time_compiled(sample.lower(params, jax.random.key(0), labels, **opts),
-                                lambda i: (params, jax.random.key(i), lab, cfg), batch, warmup, iters)
+                                lambda i: (params, jax.random.key(i), lab, cfg), batch, warmup, iters, xla)
   if hlo_stats:
     print('  entry ops:', entry_op_counts(compiled), flush=True)
   if profile:
@@ -66,6 +67,8 @@ def main():
   ap.add_argument('--hlo_stats', action='store_true', help='print the compiled entry ops by kind')
   ap.add_argument('--profile', default='', help='trace one call into this folder; print the top kernels')
   ap.add_argument('--decode', action='store_true', help='also time the VQVAE decoder alone per batch')
+  ap.add_argument('--xla', default='', help="XLA compiler-option variants side by side, e.g. "
+                  "';xla_gpu_enable_cublaslt=true' (XLA's defaults, then cuBLASLt)")
   args = ap.parse_args()
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   rows = []
@@ -81,12 +84,12 @@ def main():
       for backend in args.backends.split(','):
         var_cfg = VARConfig(depth=depth, dtype=jnp.bfloat16, attn_backend=backend)
         sample = make_sampler(var_cfg, VQVAEConfig(dtype=jnp.bfloat16))
-        for batch in [int(b) for b in args.batches.split(',')]:
-          r = dict(depth=depth, backend=backend, param_dtype=pdt, batch=batch,
+        for batch, xla in itertools.product([int(b) for b in args.batches.split(',')], xla_variants(args.xla)):
+          r = dict(depth=depth, backend=backend, param_dtype=pdt, batch=batch, xla=xla,
                    **time_sampler(sample, params, batch, args.warmup, args.iters, args.hlo_stats,
-                                        args.profile))
+                                  args.profile, xla))
           rows.append(r)
-          print(f"d{depth:<3} {backend:6} {pdt:9} B={batch:<3} compile {r['compile_s']:6.1f} s  "
+          print(f"d{depth:<3} {backend:6} {pdt:9} B={batch:<3} xla {xla or 'defaults'}  compile {r['compile_s']:6.1f} s  "
                 f"median {r['median_ms']:8.2f} ms  per image {r['per_image_ms']:7.3f} ms  "
                 f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}]", flush=True)
     del base

@@ -7,7 +7,7 @@ Public API:
   init_gradnorm, GradNormState, loss_fn  -- per-stage flow-matching loss balanced by GradNorm
   encode_images, decode, init_vae_params -- the data space: scaled SDXL-VAE latents, or pixels
   make_sampler, StagePolicy, Denoise     -- the compiled sampler and its policy hook points
-  sampling_flops                         -- FLOPs of sampling one image (XLA cost analysis)
+  sampling_flops                         -- matmul FLOPs of sampling one image (counted on the jaxpr)
   stage_flow, renoise_jump, block_noise  -- the multistage flow's pieces
 """
 from ecar.config import ECARConfig

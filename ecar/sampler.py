@@ -32,6 +32,7 @@ from ecar.model import ECAR
 from ecar.policy import BASELINE, Denoise, StagePolicy
 from var_models import tokens as tok
 from var_models.attention import KVCache
+from var_models.blocks import dense_params_in
 from var_models.labels import check_labels
 
 Array = jax.Array
@@ -79,7 +80,8 @@ class _Sampler:
 
   def _sample(self, params, vae_params, key, labels, cfg_scale):
     cfg, b = self.cfg, labels.shape[0]
-    v = {'params': params}
+    dens = [f'denoiser_{s}' for s in range(cfg.num_stages)]
+    v = {'params': {**params, **{d: dense_params_in(params[d], cfg.dtype) for d in dens}}}
     cls2 = self.model.apply(v, jnp.concatenate([labels, jnp.full_like(labels, cfg.num_classes)]),
                             method=ECAR.class_embedding)
     head_dim = cfg.ar_width // cfg.ar_heads

@@ -283,6 +283,15 @@ def test_kv_cache_overflow_raises_value_error():
   assert full.length == 5
 
 
+@pytest.mark.parametrize('d,dtype', [(512, jnp.bfloat16), (12, jnp.bfloat16), (64, jnp.float32)])
+def test_cudnn_hands_what_it_refuses_to_xla(d, dtype):
+  # A VAE's one-head mid attention (head dim 512), head dims off the multiple of 8, float32:
+  # cuDNN's flash attention takes none of them; on any device these run through xla.
+  q, k, v = (jnp.asarray(a, dtype) for a in _qkv(b=1, lq=9, lk=9, h=1, d=d, seed=15))
+  np.testing.assert_array_equal(np.asarray(attention(q, k, v, backend='cudnn'), np.float32),
+                                np.asarray(attention(q, k, v, backend='xla'), np.float32))
+
+
 # --------------------------------------------------------------------------- cudnn (GPU only)
 @on_gpu
 @pytest.mark.parametrize('masked', [False, True])

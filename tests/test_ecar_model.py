@@ -163,3 +163,18 @@ def test_latent_space_shapes_through_the_sdxl_vae():
   out, _ = jax.eval_shape(lambda p, v: sample._sample(p, v, jax.random.key(0), jnp.zeros((2,), jnp.int32),
                                                       jnp.float32(1.5)), params, vae)
   assert out.shape == (2, 256, 256, 3)
+
+
+def test_sampling_flops_count_every_denoiser_weight_on_every_token_of_both_cfg_halves(params):
+  base = ecar.sampling_flops(CFG, num_steps=(2, 2, 2))
+  assert base['decode'] < base['per_image'] == base['per_image_without_decode'] + base['decode']
+  for s in range(CFG.num_stages):
+    steps = [2, 2, 2]
+    steps[s] += 1
+    step = ecar.sampling_flops(CFG, num_steps=tuple(steps))['per_image'] - base['per_image']
+    # One more Euler step: each denoiser matrix multiplies all tokens of the doubled batch (2 FLOPs
+    # per multiply-add); the time embedding runs per sample, the AR's condition once per stage.
+    den = {k: v for k, v in params[f'denoiser_{s}'].items() if k not in ('t_embed', 'cond_proj')}
+    weights = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(den) if path[-1].key == 'kernel')
+    dense = 2 * 2 * CFG.stage_tokens[s] * weights
+    assert dense <= step <= 1.5 * dense  # the rest: attention's q.k and p.v

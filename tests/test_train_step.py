@@ -9,6 +9,7 @@ from train.optimizer import decay_mask, lr_schedule, make_optimizer
 from train.state import init_state
 from train.step import make_train_step
 from train.tasks import Task
+from var_models import flop_count
 
 
 def _toy_task() -> Task:
@@ -56,6 +57,18 @@ def test_gradient_accumulation_equals_the_full_batch_step():
   np.testing.assert_allclose(m1['loss'], m4['loss'], rtol=1e-5)
   np.testing.assert_allclose(m1['loss/abs'], m4['loss/abs'], rtol=1e-5)
   assert int(one.model_state['seen']) == 1 and int(four.model_state['seen']) == 4
+
+
+def test_step_flops_count_every_micro_batch():
+  task, state, _ = _setup()
+  batch = _batch([1., 2., 3., 4., 5., 6., 7., 8.])
+  counts = []
+  for accum in (1, 4):
+    t = common.train_config(lr=0.1, grad_accum=accum)
+    step = make_train_step(task, make_optimizer(t, lr_schedule(t)), lr_schedule(t), accum, 0.5)
+    counts.append(flop_count.flops(step, state, task.frozen, batch))
+  # x @ w over the batch: forward and the gradient of w (2 FLOPs per multiply-add)
+  assert counts[0] == counts[1] == 2 * (2 * 8 * 3)
 
 
 def test_ema_follows_the_params_at_its_decay():

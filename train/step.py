@@ -17,6 +17,7 @@ from absl import logging
 from train import mesh as mesh_lib
 from train.state import TrainState
 from train.tasks import Task
+from var_models import flop_count
 
 
 def _micro_batches(batch: dict, accum: int) -> dict:
@@ -92,7 +93,8 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
 
 def compile_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule, t, mesh,
                        shardings, state: TrainState, frozen, batch: dict):
-  """The step compiled for these arrays' shardings, the state donated. -> (compiled, compile seconds)."""
+  """The step compiled for these arrays' shardings, the state donated.
+  -> (compiled, compile seconds, matmul FLOPs per device of one step)."""
   step = make_train_step(task, tx, schedule, t.grad_accum, t.ema_decay)
   frozen_sh = jax.tree.map(lambda x: x.sharding, frozen)
   batch_sh = jax.tree.map(lambda x: x.sharding, batch)
@@ -102,4 +104,4 @@ def compile_train_step(task: Task, tx: optax.GradientTransformation, schedule: o
   compiled = jitted.lower(state, frozen, batch).compile()
   seconds = time.perf_counter() - t0
   logging.info('compiled the train step in %.1f s', seconds)
-  return compiled, seconds
+  return compiled, seconds, flop_count.flops(step, state, frozen, batch) / mesh.size

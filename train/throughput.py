@@ -1,4 +1,4 @@
-"""FLOPs of a compiled step and the device's peak, for images/s and MFU."""
+"""FLOPs of a step and the device's peak, for images/s and MFU."""
 from __future__ import annotations
 
 from typing import Optional
@@ -16,18 +16,6 @@ def peak_flops(device: jax.Device, override: float = 0.0) -> Optional[float]:
     return override
   kind = getattr(device, 'device_kind', '')
   return next((v for k, v in PEAK_BF16.items() if k in kind), None)
-
-
-def compiled_flops(compiled) -> Optional[float]:
-  """FLOPs of one call of a compiled (per-device, SPMD-partitioned) program, if XLA reports them."""
-  try:
-    cost = compiled.cost_analysis()
-  except Exception:  # some backends do not implement it
-    return None
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else None
-  flops = (cost or {}).get('flops')
-  return float(flops) if flops and flops > 0 else None
 
 
 def mfu(flops_per_step: Optional[float], steps_per_s: float, peak: Optional[float]) -> Optional[float]:

@@ -182,9 +182,9 @@ class Trainer:
       return Result(self.state, {}, False)
     batches = self.loader.iterate(start)
     first = mesh_lib.global_batch(self.mesh, next(batches))
-    step_fn, _ = compile_train_step(self.task, self.tx, self.schedule, t, self.mesh, self.shardings,
+    step_fn, _, flops = compile_train_step(self.task, self.tx, self.schedule, t, self.mesh, self.shardings,
                                     self.state, self.frozen, first)
-    meter = _Meter(t, throughput.compiled_flops(step_fn),
+    meter = _Meter(t, flops,
                    throughput.peak_flops(jax.devices()[0], t.peak_flops))
     bar = tqdm(total=t.steps, initial=start, desc=f'train {self.config.family}', unit='step',
                disable=not self.is_main, dynamic_ncols=True)

@@ -54,8 +54,18 @@ def _check(q, k, v, mask) -> None:
                        f'match Lq={q.shape[1]}, Lk={k.shape[1]}')
 
 
+def _cudnn_takes(q: jax.Array) -> bool:
+  """Whether cuDNN's flash attention takes q's dtype and head dim."""
+  d = q.shape[-1]
+  return q.dtype in (jnp.bfloat16, jnp.float16) and d <= 256 and d % 8 == 0
+
+
 def _dense_backend(implementation: Optional[str]) -> Backend:
+  """jax.nn.dot_product_attention; 'cudnn' hands what cuDNN refuses (float32, head
+  dims over 256 such as a VAE's one-head mid attention) to 'xla'."""
   def run(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
+    if implementation == 'cudnn' and not _cudnn_takes(q):
+      return _BACKENDS['xla'](q, k, v, mask, scale, kv_len)
     dense = None if mask is None else jnp.asarray(mask.dense())
     if dense is not None and implementation == 'cudnn':
       # cuDNN takes a mask only with both sequence axes full (e.g. not a [B, 1, 1, Lk] key mask).

@@ -127,6 +127,16 @@ def residual(module: nn.Module, x: Array, branch: Callable, site: str, hooks: Op
   return x + drop_path(y, drop_path_rate, deterministic, module), aux, state
 
 
+def dense_params_in(params, dtype) -> dict:
+  """params with every Dense layer's kernel and bias in `dtype` (what a Dense of that compute
+  dtype casts them to at each call anyway); LayerNorm params stay. Samplers cast once, outside
+  their loops: XLA does not hoist size-changing converts out of a while loop, so inside it
+  every diffusion or flow step would re-convert every weight."""
+  if 'kernel' in params:
+    return {k: v.astype(dtype) for k, v in params.items()}
+  return {k: dense_params_in(v, dtype) if isinstance(v, dict) else v for k, v in params.items()}
+
+
 def layer_norm(eps: float, dtype) -> nn.LayerNorm:
   return nn.LayerNorm(epsilon=eps, use_scale=False, use_bias=False, dtype=dtype)
 

@@ -178,16 +178,6 @@ def init_diffloss(cfg: DiffLossConfig, key: Array) -> dict:
   return cfg.make_net().init(key, x, t, z)['params']
 
 
-def dense_params_in(params, dtype) -> dict:
-  """params with every Dense layer's kernel and bias in `dtype` (what a Dense of that compute
-  dtype casts them to at each call anyway); LayerNorm params stay. Samplers cast once, outside
-  their loops: XLA does not hoist size-changing converts out of a while loop, so inside it
-  every diffusion step would re-convert every weight."""
-  if 'kernel' in params:
-    return {k: v.astype(dtype) for k, v in params.items()}
-  return {k: dense_params_in(v, dtype) if isinstance(v, dict) else v for k, v in params.items()}
-
-
 def diffloss_loss(net: SimpleMLPAdaLN, params, target: Array, z: Array, mask: Optional[Array], key: Array,
                   *, diffusion: Optional[GaussianDiffusion] = None) -> Array:
   """Scalar DiffLoss: t ~ U{0..T-1}, eps ~ N(0, I) per row; per-row MSE + VB, averaged over

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from var_models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
-from var_models.diffloss import dense_params_in, diffloss_sample
+from var_models.blocks import dense_params_in
+from var_models.diffloss import diffloss_sample
 from var_models.gaussian_diffusion import create_diffusion
 from var_models.labels import check_labels
 from var_models.mar import MAR, MARConfig, diffloss_net, key_mask
