@@ -1,4 +1,5 @@
-"""VAR configs: `--config configs/var.py:VARIANT` with VARIANT in d16, d20, d24, d30, tiny.
+"""VAR configs: `--config configs/var.py:VARIANT` with VARIANT in d16, d20, d24, d30, tiny,
+vqvae, vqvae_tiny.
 
 d16..d30 are the official ImageNet 256 px models (vae_ch160v4096z32.pth + var_dN.pth);
 `tiny` runs on a CPU in seconds (32 px images, 4 scales). `train` and `data` are
@@ -7,12 +8,20 @@ AdamW (0.9, 0.95), weight decay 0.05 (not on biases, norms, embeddings of
 positions and levels, shared AdaLN), lr = tblr x batch / 256, warm-up over ep/50 epochs from
 0.5 % of the peak, linear decay to wpe x peak, clip 2.0, no EMA, no flip.
 `vqvae_ckpt` names the frozen tokenizer (converted or trained); empty = random.
+
+`vqvae` trains the tokenizer itself (family 'vqvae'; the architecture of
+vae_ch160v4096z32): pixel MSE + the quantiser's VQ loss (beta 0.25), the first
+terms of the paper's eq. 5; the perceptual and adversarial terms are not
+implemented yet. The paper trains it on OpenImages and gives no optimiser: ours
+are VQGAN's Adam (0.5, 0.9), lr 1e-4 after 5K warm-up steps, batch 256, EMA
+0.999, random crops with flips. Its export (WORKDIR/params) is a `vqvae_ckpt`
+for the VAR configs of the same vqvae section. `vqvae_tiny` is tiny's tokenizer.
 """
 import ml_collections
 
 from configs import common
 
-VARIANTS = ('d16', 'd20', 'd24', 'd30', 'tiny')
+VARIANTS = ('d16', 'd20', 'd24', 'd30', 'tiny', 'vqvae', 'vqvae_tiny')
 
 
 # Global batch, base lr per 256 images, epochs, final lr fraction (the official README);
@@ -68,7 +77,32 @@ def _tiny() -> ml_collections.ConfigDict:
   return c
 
 
+def _tokenizer(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The VQVAE of VAR config c, trained on c's images (no transformer, no sampler)."""
+  t = ml_collections.ConfigDict({k: c[k] for k in ('image_size', 'patch_nums', 'num_classes', 'vqvae', 'dtype',
+                                                   'data')})
+  t.family = 'vqvae'
+  t.variant = 'vqvae' if c.variant.startswith('d') else f'vqvae_{c.variant}'
+  t.train = c.train
+  t.data.update(crop='random', hflip=True)
+  return t
+
+
+def _vqvae() -> ml_collections.ConfigDict:
+  c = _tokenizer(_official(16))
+  c.train = common.train_config(steps=500_000, batch_size=256, lr=1e-4, b1=0.5, b2=0.9, weight_decay=0.0,
+                                warmup_steps=5_000, schedule='constant', grad_clip=0.0, ema_decay=0.999)
+  return c
+
+
+def _vqvae_tiny() -> ml_collections.ConfigDict:
+  c = _tokenizer(_tiny())
+  c.train.update(steps=300, lr=2e-3, b1=0.5, b2=0.9, weight_decay=0.0, ema_decay=0.9)
+  return c
+
+
 def get_config(arg: str = 'd16') -> ml_collections.ConfigDict:
   if arg not in VARIANTS:
     raise ValueError(f'unknown VAR variant {arg!r}; known: {VARIANTS}')
-  return _tiny() if arg == 'tiny' else _official(int(arg[1:]))
+  builders = {'tiny': _tiny, 'vqvae': _vqvae, 'vqvae_tiny': _vqvae_tiny}
+  return builders[arg]() if arg in builders else _official(int(arg[1:]))

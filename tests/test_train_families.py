@@ -28,6 +28,17 @@ def small_var():
   return c
 
 
+def small_vqvae():
+  """configs/var.py:vqvae_tiny with small_var's tokenizer and images."""
+  c, var = var_configs.get_config('vqvae_tiny'), small_var()
+  c.image_size, c.patch_nums = var.image_size, var.patch_nums
+  c.vqvae.update(var.vqvae)
+  c.train.update(steps=3, batch_size=4, warmup_steps=1, log_every=1, sample_every=3, sample_classes=2,
+                 sample_per_class=1)
+  c.data.update(num_examples=12, workers=1)
+  return c
+
+
 def small_mar():
   """configs/mar.py:tiny made smaller still: 4 px, a VAE of one downsampling, 2 x 2 tokens."""
   c = mar_configs.get_config('tiny')
@@ -50,6 +61,19 @@ def test_var_tiny_trains_samples_and_exports_what_train_sample_loads(tmp_path):
   assert params_ckpt.load_meta(str(tmp_path)) == {'family': 'var', 'step': 3, 'ema': True}
   exported = models.load_var_params(*models.var_configs(config), str(tmp_path))
   np.testing.assert_array_equal(exported['var']['pos_start'], result.state.ema_params['pos_start'])
+
+
+def test_vqvae_trains_shows_reconstructions_and_exports_the_tokenizer_var_loads(tmp_path):
+  config = small_vqvae()
+  result = Trainer(config, str(tmp_path / 'vq')).run()
+  assert int(result.state.step) == 3 and np.isfinite(result.last_metrics['loss'])
+  assert {'loss/reconstruction', 'loss/vq'} <= result.last_metrics.keys()
+  grid = Image.open(tmp_path / 'vq' / 'samples' / 'step_0000003.png')
+  assert abs(grid.size[0] - grid.size[1]) <= 2  # 2 examples: rows of [original, reconstruction]
+  assert params_ckpt.load_meta(str(tmp_path / 'vq')) == {'family': 'vqvae', 'step': 3, 'ema': True}
+  var = small_var()
+  var.vqvae_ckpt = str(tmp_path / 'vq')
+  jax.tree.map(np.testing.assert_array_equal, make_task(var).frozen, jax.device_get(result.state.ema_params))
 
 
 def test_mar_tiny_trains_on_cached_latents_and_reuses_them(tmp_path):

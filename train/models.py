@@ -32,27 +32,37 @@ def _check_backend(config) -> None:
                      "pass --config.attn_backend=xla")
 
 
-def var_configs(config) -> tuple[VARConfig, VQVAEConfig]:
-  """(VARConfig, VQVAEConfig) from a configs/var.py config; errors name the config key."""
-  dtype = compute_dtype(config)
-  _check_backend(config)
-  pns = tuple(int(p) for p in config.patch_nums)
-  m, q = config.model, config.vqvae
+def vqvae_config(config) -> VQVAEConfig:
+  """VQVAEConfig from config.vqvae and config.patch_nums (configs/var.py); errors name the key."""
+  q = config.vqvae
   try:
     vq_cfg = VQVAEConfig(vocab_size=q.vocab_size, z_channels=q.z_channels, ch=q.ch,
                          ch_mult=tuple(q.ch_mult), num_res_blocks=q.num_res_blocks, beta=q.beta,
                          quant_resi=q.quant_resi, share_quant_resi=q.share_quant_resi,
-                         patch_nums=pns, dtype=dtype)
-    var_cfg = VARConfig(depth=m.depth, width=m.width, num_heads=m.num_heads, mlp_ratio=m.mlp_ratio,
-                        num_classes=config.num_classes, vocab_size=q.vocab_size, cvae=q.z_channels,
-                        patch_nums=pns, shared_aln=m.shared_aln, attn_l2_norm=m.attn_l2_norm,
-                        norm_eps=m.norm_eps, drop_rate=m.drop_rate, drop_path_rate=m.drop_path_rate,
-                        cond_drop_rate=m.cond_drop_rate, attn_backend=config.attn_backend, dtype=dtype)
+                         patch_nums=tuple(int(p) for p in config.patch_nums), dtype=compute_dtype(config))
   except ValueError as e:
-    raise ValueError(f'bad config.model / config.vqvae: {e}') from e
+    raise ValueError(f'bad config.vqvae: {e}') from e
   if config.image_size != vq_cfg.image_size:
     raise ValueError(f'config.image_size={config.image_size} does not match config.patch_nums '
-                     f'{pns} (last scale {pns[-1]} x downsample {vq_cfg.downsample} = {vq_cfg.image_size})')
+                     f'{vq_cfg.patch_nums} (last scale {vq_cfg.patch_nums[-1]} x downsample '
+                     f'{vq_cfg.downsample} = {vq_cfg.image_size})')
+  return vq_cfg
+
+
+def var_configs(config) -> tuple[VARConfig, VQVAEConfig]:
+  """(VARConfig, VQVAEConfig) from a configs/var.py config; errors name the config key."""
+  _check_backend(config)
+  vq_cfg = vqvae_config(config)
+  m = config.model
+  try:
+    var_cfg = VARConfig(depth=m.depth, width=m.width, num_heads=m.num_heads, mlp_ratio=m.mlp_ratio,
+                        num_classes=config.num_classes, vocab_size=vq_cfg.vocab_size, cvae=vq_cfg.z_channels,
+                        patch_nums=vq_cfg.patch_nums, shared_aln=m.shared_aln, attn_l2_norm=m.attn_l2_norm,
+                        norm_eps=m.norm_eps, drop_rate=m.drop_rate, drop_path_rate=m.drop_path_rate,
+                        cond_drop_rate=m.cond_drop_rate, attn_backend=config.attn_backend,
+                        dtype=compute_dtype(config))
+  except ValueError as e:
+    raise ValueError(f'bad config.model: {e}') from e
   return var_cfg, vq_cfg
 
 

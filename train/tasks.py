@@ -9,7 +9,9 @@ A `Task` holds pure functions (all jit-compiled by the trainer):
   loss(params, model_state, inputs, labels, key) -> (loss, (metrics, new model_state))
   sample(params, frozen, key, labels) -> images [B, H, W, 3] in [0, 1]
 and `frozen`, the tokenizer's parameters (loaded from the config's checkpoint, or
-random with a warning when none is named).
+random with a warning when none is named). A tokenizer's own task (the VQVAE)
+has no frozen part and no sampler; it `reconstruct`s images instead:
+  reconstruct(params, images uint8 [B, H, W, 3]) -> reconstructions [B, H, W, 3] in [0, 1].
 """
 from __future__ import annotations
 
@@ -42,11 +44,12 @@ class Task:
   frozen: Any
   inputs: Callable[[Any, dict, Array], Any]
   loss: Callable[..., tuple[Array, tuple[dict, Any]]]
-  sample: Callable[[Any, Any, Array, Array], Array]
-  names: tuple[str, str]        # (trained, frozen) keys of an exported params checkpoint
+  sample: Optional[Callable[[Any, Any, Array, Array], Array]]
+  names: tuple[str, Optional[str]]  # (trained, frozen) keys of an exported params checkpoint
   # KL-VAE latent spaces (MAR, E-CAR on VAE latents), for the latent cache:
   # images uint8 [B, H, W, 3] -> posterior moments [B, h, w, 2C] (mean, logvar).
   moments: Optional[Callable[[Any, Array], Array]] = None
+  reconstruct: Optional[Callable[[Any, Array], Array]] = None
 
 
 def to_unit_range(images: Array) -> Array:
@@ -209,7 +212,33 @@ def ecar_task(config) -> Task:
               frozen, inputs, loss, sample, ('ecar', 'vae'), moments)
 
 
-BUILDERS = {'var': var_task, 'mar': mar_task, 'ecar': ecar_task}
+def vqvae_task(config) -> Task:
+  """VAR's multi-scale VQVAE: pixel MSE of the (straight-through) reconstruction plus the
+  quantiser's VQ loss, the first two terms of the VAR paper's tokenizer loss (its eq. 5);
+  its perceptual (LPIPS) and adversarial terms are not implemented."""
+  vq_cfg = models.vqvae_config(config)
+  vq = VQVAE(vq_cfg)
+
+  def inputs(frozen, batch, key):
+    del frozen, key
+    return to_unit_range(batch['image'])
+
+  def loss(params, model_state, images, labels, key):
+    del labels
+    rec, vq_loss = vq.apply({'params': params}, images, train=True, rngs={'dropout': key})
+    rec_loss = jnp.mean(jnp.square(rec.astype(jnp.float32) - images))
+    return rec_loss + vq_loss, ({'loss/reconstruction': rec_loss, 'loss/vq': vq_loss}, model_state)
+
+  def reconstruct(params, images):
+    idx = vq.apply({'params': params}, to_unit_range(images), method=VQVAE.img_to_indices)
+    return (vq.apply({'params': params}, idx, method=VQVAE.indices_to_img) + 1) * 0.5
+
+  return Task('vqvae', vq_cfg.image_size, config.num_classes,
+              lambda k: (_vqvae_shapes(vq_cfg, k), {}), None, inputs, loss, None, ('vqvae', None),
+              reconstruct=reconstruct)
+
+
+BUILDERS = {'var': var_task, 'mar': mar_task, 'ecar': ecar_task, 'vqvae': vqvae_task}
 
 
 def make_task(config) -> Task:

@@ -137,20 +137,33 @@ class Trainer:
     self.ckpts.save(step, self.state, self._meta(step))
 
   def sample_grid(self, step: int) -> Optional[str]:
-    labels = sample_labels(self.t, self.task.num_classes)
-    if labels.size == 0:
-      return None
-    rep = mesh_lib.replicated(self.mesh)
-    key = jax.random.key(self.t.sample_seed)
-    images = self.task.sample(self.state.ema_params, self.frozen, key,
-                              jax.device_put(labels, rep) if jax.process_count() > 1 else labels)
-    images = mesh_lib.to_host(images)
+    """A PNG grid (and TensorBoard image) of EMA samples, one row per class; for a tokenizer,
+    originals next to their reconstructions."""
+    if self.task.reconstruct is not None:
+      images, ncol = self._reconstructions(), 2 * max(1, self.t.sample_per_class)
+    else:
+      labels = sample_labels(self.t, self.task.num_classes)
+      if labels.size == 0:
+        return None
+      key = jax.random.key(self.t.sample_seed)
+      images = mesh_lib.to_host(self.task.sample(self.state.ema_params, self.frozen, key,
+                                                 jax.device_put(labels, mesh_lib.replicated(self.mesh))
+                                                 if jax.process_count() > 1 else labels))
+      ncol = self.t.sample_per_class
     if not self.is_main:
       return None
-    path = grid_lib.save_grid(images, os.path.join(self.workdir, 'samples', f'step_{step:07d}.png'),
-                              ncol=self.t.sample_per_class)
-    self.summaries.image(step, 'samples/ema', grid_lib.make_grid(images, ncol=self.t.sample_per_class))
+    path = grid_lib.save_grid(images, os.path.join(self.workdir, 'samples', f'step_{step:07d}.png'), ncol=ncol)
+    self.summaries.image(step, 'samples/ema', grid_lib.make_grid(images, ncol=ncol))
     return path
+
+  def _reconstructions(self):
+    """[original, reconstruction] pairs of the dataset's first examples (fixed augmentation)."""
+    n = max(1, self.t.sample_per_class * self.t.sample_classes)
+    rng = np.random.default_rng(self.t.sample_seed)
+    originals = np.stack([self.loader.example(i % self.loader.num_examples, rng)['image'] for i in range(n)])
+    rec = self.task.reconstruct(self.state.ema_params, jax.device_put(originals, mesh_lib.replicated(self.mesh)))
+    pairs = np.stack([originals.astype(np.float32) / 255.0, np.asarray(mesh_lib.to_host(rec))], axis=1)
+    return pairs.reshape((2 * n,) + originals.shape[1:])
 
   def export(self) -> None:
     """EMA params + frozen tokenizer in the `python -m train.sample --ckpt WORKDIR` layout."""
