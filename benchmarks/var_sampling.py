@@ -89,8 +89,8 @@ def main():
                    **time_sampler(sample, params, batch, args.warmup, args.iters, args.hlo_stats,
                                   args.profile, xla))
           rows.append(r)
-          print(f"d{depth:<3} {backend:6} {pdt:9} B={batch:<3} xla {xla or 'defaults'}  compile {r['compile_s']:6.1f} s  "
-                f"median {r['median_ms']:8.2f} ms  per image {r['per_image_ms']:7.3f} ms  "
+          print(f"d{depth:<3} {backend:6} {pdt:9} B={batch:<3} xla {xla or 'defaults'}  "
+                f"compile {r['compile_s']:6.1f} s  median {r['median_ms']:8.2f} ms  per image {r['per_image_ms']:7.3f} ms  "
                 f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}]", flush=True)
     del base
   if args.json:

@@ -18,7 +18,8 @@ clipping and EMA: none, none and the usual 0.9999. `flow`: Pyramid Flow's
 (gamma 1/3, stage boundaries on a 1000-step grid); `time_windows` 'uniform' is
 E-CAR's equal partition of the time interval. `gradnorm`: Chen et al.'s
 alpha 1.5, on the AR's final LayerNorm (the last layer all stages share); the
-weights' own Adam learning rate (1e-3; 1e-2 for tiny's short runs) is ours. `sample`: 250 Euler steps in all, a third per stage
+weights' own Adam learning rate (1e-3; 1e-2 for tiny's short runs) is ours.
+`sample`: 250 Euler steps in all, a third per stage
 (the paper's evaluation); the paper gives no CFG scale: 1.5 (DiT's FID setting).
 `vae_ckpt` names the frozen SDXL VAE (`python -m var_models.convert sdxl-vae`);
 empty = random.

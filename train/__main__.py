@@ -1,7 +1,8 @@
 """Train a model: `python -m train --config configs/ecar.py:tiny --workdir runs/demo [--config.KEY=VALUE ...]`.
 
 Families: configs/var.py (VAR; its frozen VQVAE from config.vqvae_ckpt; the
-variants vqvae and vqvae_tiny train that VQVAE), configs/mar.py (MAR; its frozen KL VAE from config.vae_ckpt), configs/ecar.py.
+variants vqvae and vqvae_tiny train that VQVAE), configs/mar.py (MAR; its
+frozen KL VAE from config.vae_ckpt), configs/ecar.py.
 The same command resumes: a --workdir holding checkpoints continues from the
 latest one (parameters, optimizer, EMA, model state, RNG and data position).
 SIGTERM saves a checkpoint and stops. On many hosts, run the same command on
