@@ -163,6 +163,12 @@ def _bwd_tile(q, k, v, do, lse2, delta, tile, qk_scale):
   return p, ds
 
 
+def _query_rows(q_ref, do_ref, lse_ref, delta_ref, q0, sq: int, lq: int):
+  """The backward pass's query-side rows q0 .. q0 + sq: q, dO, log2-sum-exp (inf past lq), delta."""
+  return (_load_rows(q_ref, q0, sq, lq), _load_rows(do_ref, q0, sq, lq),
+          _load_rows(lse_ref, q0, sq, lq, other=jnp.inf), _load_rows(delta_ref, q0, sq, lq))
+
+
 def _dkv_kernel(ids_ref, nfull_ref, count_ref, mids_ref, masks_ref, q_ref, k_ref, v_ref,
                 do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: _Config, lq, lk, bq, bk,
                 per_head):
@@ -179,10 +185,7 @@ def _dkv_kernel(ids_ref, nfull_ref, count_ref, mids_ref, masks_ref, q_ref, k_ref
     u = ids_ref[hl, j, t]
     for r in range(bq // sq):
       q0 = u * bq + r * sq
-      q = _load_rows(q_ref, q0, sq, lq)
-      do = _load_rows(do_ref, q0, sq, lq)
-      lse2 = _load_rows(lse_ref, q0, sq, lq, other=jnp.inf)
-      delta = _load_rows(delta_ref, q0, sq, lq)
+      q, do, lse2, delta = _query_rows(q_ref, do_ref, lse_ref, delta_ref, q0, sq, lq)
       tile = (masks_ref[mids_ref[hl, j, t], pl.ds(r * sq, sq), pl.ds(c * sk, sk)]
               if partial else None)
       p, ds = _bwd_tile(q, k, v, do, lse2, delta, tile, cfg.scale * LOG2E)
@@ -205,10 +208,7 @@ def _dq_kernel(ids_ref, nfull_ref, count_ref, mids_ref, masks_ref, q_ref, k_ref,
   u, r = lax.div(pid, bq // sq), lax.rem(pid, bq // sq)
   hl = pl.program_id(2) if per_head else 0
   q0 = u * bq + r * sq
-  q = _load_rows(q_ref, q0, sq, lq)
-  do = _load_rows(do_ref, q0, sq, lq)
-  lse2 = _load_rows(lse_ref, q0, sq, lq, other=jnp.inf)
-  delta = _load_rows(delta_ref, q0, sq, lq)
+  q, do, lse2, delta = _query_rows(q_ref, do_ref, lse_ref, delta_ref, q0, sq, lq)
 
   def visit(t, dq, partial):
     j = ids_ref[hl, u, t]

@@ -101,7 +101,8 @@ def compile_train_step(task: Task, tx: optax.GradientTransformation, schedule: o
   jitted = jax.jit(step, in_shardings=(shardings, frozen_sh, batch_sh),
                    out_shardings=(shardings, mesh_lib.replicated(mesh)), donate_argnums=0)
   t0 = time.perf_counter()
-  compiled = jitted.lower(state, frozen, batch).compile()
+  traced = jitted.trace(state, frozen, batch)
+  compiled = traced.lower().compile()
   seconds = time.perf_counter() - t0
   logging.info('compiled the train step in %.1f s', seconds)
-  return compiled, seconds, flop_count.flops(step, state, frozen, batch) / mesh.size
+  return compiled, seconds, flop_count.jaxpr_flops(traced.jaxpr.jaxpr) / mesh.size

@@ -8,6 +8,7 @@ reads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -156,14 +157,19 @@ class Trainer:
     self.summaries.image(step, 'samples/ema', grid_lib.make_grid(images, ncol=ncol))
     return path
 
-  def _reconstructions(self):
-    """[original, reconstruction] pairs of the dataset's first examples (fixed augmentation)."""
+  @functools.cached_property
+  def _originals(self) -> np.ndarray:
+    """The dataset's first examples (fixed augmentation) that every reconstruction grid shows."""
     n = max(1, self.t.sample_per_class * self.t.sample_classes)
     rng = np.random.default_rng(self.t.sample_seed)
-    originals = np.stack([self.loader.example(i % self.loader.num_examples, rng)['image'] for i in range(n)])
+    return np.stack([self.loader.example(i % self.loader.num_examples, rng)['image'] for i in range(n)])
+
+  def _reconstructions(self):
+    """[original, reconstruction] pairs of `_originals`."""
+    originals = self._originals
     rec = self.task.reconstruct(self.state.ema_params, jax.device_put(originals, mesh_lib.replicated(self.mesh)))
     pairs = np.stack([originals.astype(np.float32) / 255.0, np.asarray(mesh_lib.to_host(rec))], axis=1)
-    return pairs.reshape((2 * n,) + originals.shape[1:])
+    return pairs.reshape((-1,) + originals.shape[1:])
 
   def export(self) -> None:
     """EMA params + frozen tokenizer in the `python -m train.sample --ckpt WORKDIR` layout."""
