@@ -1,17 +1,11 @@
 """`ecar_config`: an ECARConfig from a configs/ecar.py ml_collections config, every error naming its key."""
 from __future__ import annotations
 
-from typing import Any
-
-import jax
-import jax.numpy as jnp
-
 from ecar.config import ECARConfig, ECARConfigError
 from ecar.loss import check_gradnorm_layer
 from ecar.model import abstract_params
 from var_models.autoencoder_kl import AutoencoderKLConfig
-
-_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+from var_models.config_checks import check_attn_backend, compute_dtype
 
 # ECARConfig field -> configs/ecar.py key.
 CONFIG_KEYS = {
@@ -24,12 +18,6 @@ CONFIG_KEYS = {
     'gradnorm_lr': 'gradnorm.lr', 'gradnorm_alpha': 'gradnorm.alpha', 'gradnorm_layer': 'gradnorm.layer',
     'gradnorm_min_weight': 'gradnorm.min_weight', 'attn_backend': 'attn_backend', 'dtype': 'dtype',
 }
-
-
-def compute_dtype(name: str) -> Any:
-  if name not in _DTYPES:
-    raise ValueError(f'config.dtype must be one of {sorted(_DTYPES)}, got {name!r}')
-  return _DTYPES[name]
 
 
 def _vae_config(config, dtype) -> AutoencoderKLConfig:
@@ -53,9 +41,7 @@ def ecar_config(config) -> ECARConfig:
       gamma=f.gamma, num_train_timesteps=f.num_train_timesteps, time_windows=f.time_windows,
       gradnorm_lr=g.lr, gradnorm_alpha=g.alpha, gradnorm_layer=g.layer, gradnorm_min_weight=g.min_weight,
       attn_backend=config.attn_backend, dtype=dtype)
-  if config.attn_backend == 'cudnn' and jax.default_backend() != 'gpu':
-    raise ValueError(f"config.attn_backend='cudnn' needs an NVIDIA GPU (this is {jax.default_backend()}): "
-                     'pass --config.attn_backend=xla')
+  check_attn_backend(config.attn_backend)
   try:
     cfg = ECARConfig(**fields)
   except ECARConfigError as e:

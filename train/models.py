@@ -8,28 +8,16 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from var_models import attention as attn_lib
 from var_models import checkpoint
+from var_models import config_checks
 from var_models import mar as mar_lib
 from var_models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
 from var_models.var import VARConfig, init_params
 from var_models.vqvae import VQVAE, VQVAEConfig
 
-_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
-
-
 def compute_dtype(config) -> Any:
-  if config.dtype not in _DTYPES:
-    raise ValueError(f'config.dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}')
-  return _DTYPES[config.dtype]
-
-
-def _check_backend(config) -> None:
-  if config.attn_backend not in attn_lib.backends():
-    raise ValueError(f'config.attn_backend must be one of {attn_lib.backends()}, got {config.attn_backend!r}')
-  if config.attn_backend == 'cudnn' and jax.default_backend() != 'gpu':
-    raise ValueError(f"config.attn_backend='cudnn' needs an NVIDIA GPU (this is {jax.default_backend()}): "
-                     "pass --config.attn_backend=xla")
+  """config.dtype of a family config -> the jnp dtype."""
+  return config_checks.compute_dtype(config.dtype)
 
 
 def vqvae_config(config) -> VQVAEConfig:
@@ -51,7 +39,7 @@ def vqvae_config(config) -> VQVAEConfig:
 
 def var_configs(config) -> tuple[VARConfig, VQVAEConfig]:
   """(VARConfig, VQVAEConfig) from a configs/var.py config; errors name the config key."""
-  _check_backend(config)
+  config_checks.check_attn_backend(config.attn_backend)
   vq_cfg = vqvae_config(config)
   m = config.model
   try:
@@ -82,7 +70,7 @@ def load_var_params(var_cfg: VARConfig, vq_cfg: VQVAEConfig, directory: Optional
 def mar_configs(config) -> tuple[mar_lib.MARConfig, AutoencoderKLConfig]:
   """(MARConfig, AutoencoderKLConfig) from a configs/mar.py config; errors name the config key."""
   dtype = compute_dtype(config)
-  _check_backend(config)
+  config_checks.check_attn_backend(config.attn_backend)
   try:
     vae_cfg = AutoencoderKLConfig(**{**config.vae.to_dict(), 'ch_mult': tuple(config.vae.ch_mult)},
                                   dtype=dtype)
