@@ -1,7 +1,8 @@
 """pallas_kernels: block-sparse cross-scale attention and top-k token gather/scatter.
 
-Kernels in Pallas (Triton lowering on NVIDIA GPUs), their layouts, and the
-plain-jnp references they fall back to elsewhere. Imports jax only.
+Kernels in Pallas (Triton lowering on NVIDIA GPUs; the attention forward also in
+Mosaic GPU on Hopper), their layouts, and the plain-jnp references they fall back
+to elsewhere. Imports jax only.
 NOTES.md beside this file records floors, predictions and measurements.
 """
 from pallas_kernels.dispatch import IMPLS, override, resolve

@@ -1,8 +1,11 @@
 """Which implementation a kernel call runs: by device, or as asked.
 
-  'auto'      -- the Pallas Triton lowering on an NVIDIA GPU, the plain-jnp
-                 reference elsewhere;
+  'auto'      -- on an NVIDIA GPU the Mosaic GPU kernel where the call has one and
+                 the GPU is a Hopper, else the Pallas Triton lowering; the
+                 plain-jnp reference elsewhere;
   'triton'    -- the Pallas Triton lowering (A100, H100, ...);
+  'mosaic'    -- the Pallas Mosaic GPU lowering (Hopper), for the calls that have
+                 one (the attention forward);
   'interpret' -- the Pallas kernel in interpret mode (CPU tests);
   'reference' -- the plain-jnp reference.
 """
@@ -12,7 +15,7 @@ import contextlib
 
 import jax
 
-IMPLS = ('auto', 'triton', 'interpret', 'reference')
+IMPLS = ('auto', 'triton', 'mosaic', 'interpret', 'reference')
 _override: list[str] = []
 
 
@@ -27,15 +30,23 @@ def is_hopper() -> bool:
   return bool(cc) and float(cc) >= 9.0
 
 
-def resolve(impl: str) -> str:
-  """The implementation `impl` runs on the default device."""
+NO_MOSAIC = 'this call has no Mosaic GPU kernel'
+
+
+def resolve(impl: str, mosaic: str = NO_MOSAIC) -> str:
+  """The implementation `impl` runs on the default device. `mosaic`: empty when the
+  call has a Mosaic GPU kernel for its shapes, else why not (the error for 'mosaic')."""
   if impl not in IMPLS:
     raise ValueError(f'impl must be one of {IMPLS}, got {impl!r}')
+  if impl == 'mosaic' and mosaic:
+    raise ValueError(f"impl='mosaic': {mosaic}")
   if impl != 'auto':
     return impl
   if _override:
     return _override[-1]
-  return 'triton' if _on_nvidia_gpu() else 'reference'
+  if not _on_nvidia_gpu():
+    return 'reference'
+  return 'mosaic' if not mosaic and is_hopper() else 'triton'
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import dispatch, reference
+from pallas_kernels import dispatch, reference, sparse_attention_mgpu
 from pallas_kernels.layout import BlockLayout
 
 LOG2E = math.log2(math.e)
@@ -38,6 +38,8 @@ class _Config:
   num_warps: int
   bwd_num_warps: int
   num_stages: int
+  mosaic_fwd: bool  # the forward in Mosaic GPU (Hopper); the backward stays Triton's
+  return_lse: bool
 
 
 # ----------------------------------------------------------------- in-kernel helpers
@@ -134,7 +136,11 @@ def _row_spec(lq):
   return pl.BlockSpec((pl.squeezed, pl.squeezed, lq), lambda i, b, h: (b, h, 0))
 
 
-def _forward(q, k, v, layout: BlockLayout, cfg: _Config):
+def _forward(q, k, v, layout: BlockLayout, cfg: _Config, with_lse: bool = True):
+  """(out, lse); lse may be None when not `with_lse`."""
+  if cfg.mosaic_fwd:
+    outs = sparse_attention_mgpu.forward(q, k, v, layout, cfg.scale, with_lse=with_lse)
+    return outs if with_lse else (outs, None)
   b, lq, h, _ = q.shape
   arrays = _layout_arrays(layout, transposed=False)
   kernel = functools.partial(_fwd_kernel, cfg=cfg, lq=lq, lk=k.shape[1], bq=layout.block_q,
@@ -266,17 +272,19 @@ def _backward(q, k, v, out, lse, do, dlse, layout: BlockLayout, cfg: _Config):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _attention(q, k, v, layout, cfg):
-  return _forward(q, k, v, layout, cfg)
+  """out, or (out, lse) with cfg.return_lse."""
+  out, lse = _forward(q, k, v, layout, cfg, with_lse=cfg.return_lse)
+  return (out, lse) if cfg.return_lse else out
 
 
 def _attention_fwd(q, k, v, layout, cfg):
   out, lse = _forward(q, k, v, layout, cfg)
-  return (out, lse), (q, k, v, out, lse)
+  return ((out, lse) if cfg.return_lse else out), (q, k, v, out, lse)
 
 
 def _attention_bwd(layout, cfg, residuals, cotangents):
   q, k, v, out, lse = residuals
-  do, dlse = cotangents
+  do, dlse = cotangents if cfg.return_lse else (cotangents, jnp.zeros_like(lse))
   return _backward(q, k, v, out, lse, do.astype(q.dtype), dlse, layout, cfg)
 
 
@@ -296,9 +304,10 @@ def _check(q, k, v, layout: BlockLayout, bwd_block_q: int, bwd_block_k: int) -> 
   d = q.shape[3]
   if d < 16 or d & (d - 1):
     raise ValueError(f'head dim must be a power of two >= 16, got {d}')
-  if (layout.lq, layout.lk) != (q.shape[1], k.shape[1]):
-    raise ValueError(f'layout is for lq={layout.lq}, lk={layout.lk}; got q length '
-                     f'{q.shape[1]}, k length {k.shape[1]}')
+  capacity = layout.num_k_blocks * layout.block_k
+  if q.shape[1] != layout.lq or not layout.lk <= k.shape[1] <= capacity:
+    raise ValueError(f'layout is for lq={layout.lq}, lk={layout.lk}: q length must be {layout.lq} and k '
+                     f'length in [{layout.lk}, {capacity}]; got {q.shape[1]} and {k.shape[1]}')
   if layout.heads not in (1, q.shape[2]):
     raise ValueError(f'layout has {layout.heads} heads; q has {q.shape[2]} (use 1 or that)')
   for name, sub, blk in (('bwd_block_q', bwd_block_q, layout.block_q),
@@ -331,7 +340,11 @@ def block_sparse_attention(q, k, v, layout: BlockLayout, *, scale: Optional[floa
   q [B, Lq, H, D], k and v [B, Lk, H, D] (D a power of two) -> out [B, Lq, H, D]
   and, with `return_lse`, lse [B, H, Lq] float32 (natural log; -inf on query rows
   that see no key, whose output is 0). `scale` multiplies q.k (default 1/sqrt(D)).
-  `impl`: see `pallas_kernels.dispatch`. The backward walks sub-blocks of
+  k and v may run past the layout's lk up to its last key block (a KV cache with
+  spare rows, which must be finite): keys past lk are never attended and get no
+  gradient. `impl`: see `pallas_kernels.dispatch`; on a Hopper 'auto' runs the
+  forward in Mosaic GPU where `sparse_attention_mgpu.unsupported` allows (the
+  backward is Triton's). The backward walks sub-blocks of
   [bwd_block_q, bwd_block_k] inside the layout's tiles. `num_warps`,
   `bwd_num_warps` and `num_stages` (forward) are Triton's; left as None, they take
   the values measured best on an H100 for the head dim.
@@ -341,11 +354,11 @@ def block_sparse_attention(q, k, v, layout: BlockLayout, *, scale: Optional[floa
                    bwd_num_warps=bwd_num_warps, num_stages=num_stages))
   _check(q, k, v, layout, t['bwd_block_q'], t['bwd_block_k'])
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-  impl = dispatch.resolve(impl)
+  impl = dispatch.resolve(impl, sparse_attention_mgpu.unsupported(q, k, layout))
   if impl == 'reference':
-    out, lse = reference.masked_attention(q, k, v, layout.dense(), scale)
-  else:
-    cfg = _Config(scale, impl == 'interpret', t['bwd_block_q'], t['bwd_block_k'],
-                  t['num_warps'], t['bwd_num_warps'], t['num_stages'])
-    out, lse = _attention(q, k, v, layout, cfg)
-  return (out, lse) if return_lse else out
+    lk = layout.lk
+    out, lse = reference.masked_attention(q, k[:, :lk], v[:, :lk], layout.dense(), scale)
+    return (out, lse) if return_lse else out
+  cfg = _Config(scale, impl == 'interpret', t['bwd_block_q'], t['bwd_block_k'], t['num_warps'],
+                t['bwd_num_warps'], t['num_stages'], mosaic_fwd=impl == 'mosaic', return_lse=return_lse)
+  return _attention(q, k, v, layout, cfg)

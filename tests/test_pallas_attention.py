@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import (block_sparse_attention, dense_layout, layout_from_mask,
                             masked_attention, scale_causal_layout)
+from pallas_kernels.dispatch import is_hopper
 
 BLOCK = 16
 SUB = 8   # backward sub-blocks, so the sub-block walk is exercised
@@ -182,3 +183,41 @@ def test_backward_sub_block_must_divide_the_tile():
   layout = dense_layout(37, 45, BLOCK, BLOCK)
   with pytest.raises(ValueError, match='bwd_block_q'):
     block_sparse_attention(q, k, v, layout, impl='interpret', bwd_block_q=6)
+
+
+def test_keys_past_the_layout_length_are_ignored_and_get_no_gradient():
+  """A KV cache with spare rows: k, v longer than layout.lk (up to its last key block)."""
+  q, k, v = _qkv(17, lk=48)
+  mask = _random_mask(18, 1, 37, 45)
+  layout = layout_from_mask(mask, BLOCK, BLOCK)
+  out, lse = _run(q, k, v, layout)
+  ref_out, ref_lse = _ref(q, k[:, :45], v[:, :45], mask)
+  assert _rel(out, ref_out) < 1e-5
+  grads = jax.grad(_loss(lambda *a: _run(*a, layout)), argnums=(1, 2))(q, k, v)
+  for g in grads:
+    np.testing.assert_array_equal(np.asarray(g[:, 45:]), 0.0)
+  with pytest.raises(ValueError, match=r'k length in \[45, 48\]'):
+    block_sparse_attention(*_qkv(19, lk=49), layout, impl='interpret')
+
+
+def test_mosaic_impl_names_why_it_cannot_run():
+  q, k, v = _qkv(20)  # float32, head dim 16: not for the Mosaic GPU forward
+  layout = dense_layout(37, 45, BLOCK, BLOCK)
+  with pytest.raises(ValueError, match="impl='mosaic'.*bfloat16 or float16"):
+    block_sparse_attention(q, k, v, layout, impl='mosaic')
+
+
+@pytest.mark.skipif(not is_hopper(), reason='the Mosaic GPU forward runs on Hopper GPUs only')
+@pytest.mark.parametrize('lq, lk, block_k, d', [(256, 336, 64, 64), (384, 520, 128, 128)])
+def test_mosaic_forward_matches_reference_on_hopper(lq, lk, block_k, d):
+  q, k, v = _qkv(21, b=2, lq=lq, lk=lk, h=3, d=d, dtype=jnp.bfloat16)
+  mask = np.random.default_rng(22).random((3, lq, lk - 3)) < 0.4
+  mask[:, :, :block_k] = True      # full tiles beside partial ones
+  mask[:, 40:60] = False           # empty query rows
+  layout = layout_from_mask(mask, 128, block_k)
+  out, lse = block_sparse_attention(q, k, v, layout, return_lse=True, impl='mosaic')
+  ref_out, ref_lse = _ref(q, k[:, :lk - 3], v[:, :lk - 3], mask)
+  assert _rel(out, ref_out) < 1e-2
+  np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(ref_lse))
+  finite = np.isfinite(ref_lse)
+  np.testing.assert_allclose(np.asarray(lse)[finite], ref_lse[finite], rtol=1e-3, atol=1e-3)

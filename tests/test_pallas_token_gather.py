@@ -83,3 +83,9 @@ def test_reference_impl_equals_interpret():
 def test_bad_arguments_raise_clear_errors(call, match):
   with pytest.raises(ValueError, match=match):
     call(_x(11, (2, 8, 4)))
+
+
+def test_token_kernels_have_no_mosaic_impl():
+  x = jnp.ones((1, 8, 4), jnp.float32)
+  with pytest.raises(ValueError, match='no Mosaic GPU kernel'):
+    gather_rows(x, jnp.zeros((1, 2), jnp.int32), impl='mosaic')
