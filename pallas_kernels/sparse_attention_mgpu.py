@@ -4,7 +4,7 @@ The same computation as the Triton forward of `sparse_attention` (the layout's
 lists, full tiles first, partial tiles with their token mask, online softmax in
 base 2), organised the FlashAttention-3 way: one CTA per (query block, head,
 batch) with three warpgroups. Warpgroup 2 streams the active key and value tiles
-through a ring of `stages` shared-memory slots with TMA; warpgroups 0 and 1 each
+through a ring of STAGES shared-memory slots with TMA; warpgroups 0 and 1 each
 own half of the query block (64 rows) and run wgmma on it. A shared "turn"
 barrier staggers the two by half a step, so one's softmax overlaps the other's
 matmuls. Both halves walk the same list (the layout is per query block), so the
@@ -32,6 +32,7 @@ from pallas_kernels.layout import BlockLayout
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 HALF = 64  # query rows per compute warpgroup: wgmma's M tile
+STAGES = 2  # key/value ring slots: two measured faster than three (NOTES.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,14 +60,6 @@ def unsupported(q: jax.Array, k: jax.Array, layout: BlockLayout) -> str:
     return (f'the Mosaic GPU forward takes q and k lengths that are multiples of 8 (TMA), got '
             f'{q.shape[1]} and {k.shape[1]}')
   return ''
-
-
-def _stages(head_dim: int, block_k: int, with_lse: bool) -> int:
-  """The deepest key/value ring (at most 4) that fits Hopper's 227 KiB of shared memory."""
-  # q, lse, and the barriers with alignment (2680 bytes at three stages, as measured)
-  fixed = 2 * HALF * head_dim * 2 + (2 * HALF * 4 if with_lse else 0) + 2688
-  per_stage = 2 * block_k * head_dim * 2
-  return min(4, (232448 - fixed) // per_stage)
 
 
 def _kernel(ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_ref, k_ref, v_ref, o_ref, *rest, d: _Dims):
@@ -179,12 +172,11 @@ def forward(q, k, v, layout: BlockLayout, scale: float, *, with_lse: bool = True
   [B, H, Lq] float32 (natural log; -inf on rows that see no key, whose output is 0).
 
   `unsupported` says which arguments run here (Lq and Lk multiples of 8: TMA tiles
-  rows in eights). Without the lse its shared buffer is freed, which makes room for
-  a third stage of 128 x 128 key/value tiles at head dim 128.
+  rows in eights).
   """
   b, lq, h, hd = q.shape
-  stages = _stages(hd, layout.block_k, with_lse)
-  d = _Dims(half=HALF, block_k=layout.block_k, head_dim=hd, stages=stages,
+  stages = STAGES
+  d = _Dims(half=HALF, block_k=layout.block_k, head_dim=hd, stages=STAGES,
             per_head=layout.heads > 1, qk_scale=scale * LOG2E, dtype=q.dtype, with_lse=with_lse)
   lists = [jnp.asarray(a) for a in (layout.kv_ids, layout.kv_full, layout.kv_count, layout.kv_mask)]
   bias = jnp.where(jnp.asarray(layout.masks) != 0, 0.0, -jnp.inf).astype(jnp.float32)
