@@ -10,12 +10,26 @@ positions and levels, shared AdaLN), lr = tblr x batch / 256, warm-up over ep/50
 `vqvae_ckpt` names the frozen tokenizer (converted or trained); empty = random.
 
 `vqvae` trains the tokenizer itself (family 'vqvae'; the architecture of
-vae_ch160v4096z32): pixel MSE + the quantiser's VQ loss (beta 0.25), the first
-terms of the paper's eq. 5; the perceptual and adversarial terms are not
-implemented yet. The paper trains it on OpenImages and gives no optimiser: ours
-are VQGAN's Adam (0.5, 0.9), lr 1e-4 after 5K warm-up steps, batch 256, EMA
-0.999, random crops with flips. Its export (WORKDIR/params) is a `vqvae_ckpt`
-for the VAR configs of the same vqvae section. `vqvae_tiny` is tiny's tokenizer.
+vae_ch160v4096z32) on the paper's eq. 5: pixel MSE + the quantiser's VQ loss
+(beta 0.25) + perceptual_weight x LPIPS + disc_weight x the adversarial loss.
+The paper gives no weights for the last two, so `loss` takes the VQGAN /
+LlamaGen tokenizer recipe: LPIPS (vgg, v0.1) with weight 1.0 (`lpips_ckpt`, a
+directory from `python -m var_models.convert lpips`; empty = a random VGG, with
+a warning); VQGAN's PatchGAN discriminator (64 channels, 3 layers) on the hinge
+loss, unweighted (VQGAN's disc_factor 1; LlamaGen's 0.5 would change little under
+Adam); the generator's term -mean(D(reconstruction)) with weight 0.5 and without
+VQGAN's adaptive weight (LlamaGen's default, disc_adaptive_weight=False); both
+switch on at step `disc_start` = 20000. The discriminator trains in the same
+optimizer step as the VQVAE, with the same settings. The paper trains on
+OpenImages and gives no optimiser: ours are VQGAN's Adam (0.5, 0.9), lr 1e-4
+after 5K warm-up steps, batch 256, EMA 0.999, random crops with flips. Its export
+(WORKDIR/params) is the VQVAE alone, a `vqvae_ckpt` for the VAR configs of the
+same vqvae section. `vqvae_tiny` is tiny's tokenizer, for a few CPU minutes: no
+perceptual term (at 32 px VGG16 costs 3x the VQVAE's forward FLOPs and would
+more than double the step; without converted weights it is a random network
+anyway); a 32-channel discriminator from step 100 of 300 with weight 0.05 (at 0.5,
+with no adaptive weight, lr 2e-3 and only 100 steps on MSE before it, the
+adversarial gradient swamps the pixel loss: the reconstructions collapse to blobs).
 """
 import ml_collections
 
@@ -85,6 +99,12 @@ def _tokenizer(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   t.variant = 'vqvae' if c.variant.startswith('d') else f'vqvae_{c.variant}'
   t.train = c.train
   t.data.update(crop='random', hflip=True)
+  t.loss = ml_collections.ConfigDict(dict(
+      perceptual_weight=1.0,      # LPIPS (vgg, v0.1); 0 = off (no VGG is built)
+      disc_weight=0.5,            # weight of the generator's adversarial term
+      disc_start=20_000,          # train steps before the adversarial terms switch on
+      disc_channels=64, disc_layers=3))  # PatchGAN width and stride-2 layers
+  t.lpips_ckpt = ''               # `python -m var_models.convert lpips` output; '' = random VGG
   return t
 
 
@@ -98,6 +118,7 @@ def _vqvae() -> ml_collections.ConfigDict:
 def _vqvae_tiny() -> ml_collections.ConfigDict:
   c = _tokenizer(_tiny())
   c.train.update(steps=300, lr=2e-3, b1=0.5, b2=0.9, weight_decay=0.0, ema_decay=0.9)
+  c.loss.update(perceptual_weight=0.0, disc_weight=0.05, disc_start=100, disc_channels=32)
   return c
 
 

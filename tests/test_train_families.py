@@ -29,10 +29,12 @@ def small_var():
 
 
 def small_vqvae():
-  """configs/var.py:vqvae_tiny with small_var's tokenizer and images."""
+  """configs/var.py:vqvae_tiny with small_var's tokenizer and images, a one-layer discriminator
+  (8 px images) that switches on after the first step."""
   c, var = var_configs.get_config('vqvae_tiny'), small_var()
   c.image_size, c.patch_nums = var.image_size, var.patch_nums
   c.vqvae.update(var.vqvae)
+  c.loss.update(disc_layers=1, disc_channels=8, disc_start=1)
   c.train.update(steps=3, batch_size=4, warmup_steps=1, log_every=1, sample_every=3, sample_classes=2,
                  sample_per_class=1)
   c.data.update(num_examples=12, workers=1)
@@ -67,13 +69,16 @@ def test_vqvae_trains_shows_reconstructions_and_exports_the_tokenizer_var_loads(
   config = small_vqvae()
   result = Trainer(config, str(tmp_path / 'vq')).run()
   assert int(result.state.step) == 3 and np.isfinite(result.last_metrics['loss'])
-  assert {'loss/reconstruction', 'loss/vq'} <= result.last_metrics.keys()
+  assert {'loss/reconstruction', 'loss/vq', 'loss/perceptual', 'loss/generator', 'loss/discriminator',
+          'disc/logits_real', 'disc/logits_fake'} <= result.last_metrics.keys()
+  assert int(result.state.model_state['micro_steps']) == 3
   grid = Image.open(tmp_path / 'vq' / 'samples' / 'step_0000003.png')
   assert abs(grid.size[0] - grid.size[1]) <= 2  # 2 examples: rows of [original, reconstruction]
   assert params_ckpt.load_meta(str(tmp_path / 'vq')) == {'family': 'vqvae', 'step': 3, 'ema': True}
+  params_ckpt.load_params(str(tmp_path / 'vq'), {'vqvae': result.state.ema_params['vqvae']})  # nothing else
   var = small_var()
   var.vqvae_ckpt = str(tmp_path / 'vq')
-  jax.tree.map(np.testing.assert_array_equal, make_task(var).frozen, jax.device_get(result.state.ema_params))
+  jax.tree.map(np.testing.assert_array_equal, make_task(var).frozen, jax.device_get(result.state.ema_params['vqvae']))
 
 
 def test_mar_tiny_trains_on_cached_latents_and_reuses_them(tmp_path):

@@ -10,7 +10,8 @@ A `Task` holds pure functions (all jit-compiled by the trainer):
   sample(params, frozen, key, labels) -> images [B, H, W, 3] in [0, 1]
 and `frozen`, the tokenizer's parameters (loaded from the config's checkpoint, or
 random with a warning when none is named). A tokenizer's own task (the VQVAE)
-has no frozen part and no sampler; it `reconstruct`s images instead:
+has no sampler (its frozen part is the perceptual loss's network, not exported);
+it `reconstruct`s images instead:
   reconstruct(params, images uint8 [B, H, W, 3]) -> reconstructions [B, H, W, 3] in [0, 1].
 """
 from __future__ import annotations
@@ -25,10 +26,12 @@ import numpy as np
 from absl import logging
 
 from train import models
+from var_models import lpips as lpips_lib
 from var_models import mar as mar_lib
 from var_models import var as var_lib
 from var_models.autoencoder_kl import AutoencoderKL, sample_posterior
 from var_models.mar_sampler import check_mar_sample_args, make_mar_sampler
+from var_models.patch_discriminator import PatchDiscriminator, discriminator_hinge_loss, generator_loss, patch_grid
 from var_models.var_sampler import check_sample_args, make_sampler
 from var_models.vqvae import VQVAE
 
@@ -50,6 +53,9 @@ class Task:
   # images uint8 [B, H, W, 3] -> posterior moments [B, h, w, 2C] (mean, logvar).
   moments: Optional[Callable[[Any, Array], Array]] = None
   reconstruct: Optional[Callable[[Any, Array], Array]] = None
+  # Trained params -> the part exported as names[0] (None: all of them), e.g. a tokenizer
+  # without the discriminator it trained with.
+  export: Optional[Callable[[Any], Any]] = None
 
 
 def to_unit_range(images: Array) -> Array:
@@ -212,30 +218,118 @@ def ecar_task(config) -> Task:
               frozen, inputs, loss, sample, ('ecar', 'vae'), moments)
 
 
+def _lpips_shapes(dtype, key):
+  img = jnp.zeros((1, lpips_lib.MIN_SIZE, lpips_lib.MIN_SIZE, 3), jnp.float32)
+  return lpips_lib.LPIPS(dtype).init(key, img, img)['params']
+
+
+def _lpips_params(config, dtype) -> Any:
+  """LPIPS from config.lpips_ckpt, else a random VGG16 whose lin weights are non-negative (as the
+  released ones are), so that the random distance still grows with the difference."""
+  abstract = jax.eval_shape(functools.partial(_lpips_shapes, dtype), jax.random.key(0))
+  if config.lpips_ckpt:
+    return models.load_component(config.lpips_ckpt, 'lpips', abstract)
+  logging.warning('config.lpips_ckpt is empty: the perceptual loss is a random VGG16, not LPIPS '
+                  '(python -m var_models.convert lpips writes one)')
+  params = random_stand_in(abstract, config.train.seed + 1)
+  return {k: jax.tree.map(np.abs, v) if k.startswith('lin') else v for k, v in params.items()}
+
+
+def _check_number(section, prefix: str, key: str, minimum, integer: bool) -> None:
+  v = section[key]
+  kind = int if integer else (int, float)
+  if isinstance(v, bool) or not isinstance(v, kind) or not np.isfinite(v) or v < minimum:
+    raise ValueError(f'config.{prefix}.{key} must be {"an integer" if integer else "a number"} >= {minimum}, '
+                     f'got {v!r}')
+
+
+def _check_vqvae_loss(config, image_size: int) -> None:
+  """config.loss and config.lpips_ckpt of a configs/var.py vqvae config; each error names its key."""
+  if 'loss' not in config:
+    raise ValueError('config has no `loss` section (configs/var.py:vqvae sets perceptual_weight, disc_weight, '
+                     'disc_start, disc_channels, disc_layers)')
+  q = config.loss
+  for key in ('perceptual_weight', 'disc_weight'):
+    _check_number(q, 'loss', key, 0, integer=False)
+  _check_number(q, 'loss', 'disc_start', 0, integer=True)
+  for key in ('disc_channels', 'disc_layers'):
+    _check_number(q, 'loss', key, 1, integer=True)
+  if patch_grid(image_size, q.disc_layers) < 1:
+    raise ValueError(f'config.loss.disc_layers={q.disc_layers} leaves the discriminator no output for '
+                     f'{image_size} px images (it needs >= {3 * 2 ** q.disc_layers} px)')
+  if not isinstance(config.lpips_ckpt, str):
+    raise ValueError(f'config.lpips_ckpt must be a directory path or empty, got {config.lpips_ckpt!r}')
+  if q.perceptual_weight > 0 and image_size < lpips_lib.MIN_SIZE:
+    raise ValueError(f'config.loss.perceptual_weight={q.perceptual_weight} needs images of at least '
+                     f'{lpips_lib.MIN_SIZE} px (LPIPS VGG16), got image_size {image_size}; set it to 0')
+
+
+def _adversarial(disc: PatchDiscriminator, disc_params, real: Array, fake: Array) -> dict:
+  """The PatchGAN's terms, routed so that one gradient of their sum trains both networks.
+
+  The generator's term sees the discriminator's params only through stop_gradient (it
+  trains the VQVAE alone); the discriminator's term sees the reconstruction only through
+  stop_gradient (it trains the discriminator alone). Real and fake go through separate
+  calls, each normalised with its own batch's statistics, as VQGAN's separate forwards are.
+  """
+  sg = jax.lax.stop_gradient
+  logits = lambda p, x: disc.apply({'params': p}, x)
+  logits_real, logits_fake = logits(disc_params, real), logits(disc_params, sg(fake))
+  return {'loss/generator': generator_loss(logits(sg(disc_params), fake)),
+          'loss/discriminator': discriminator_hinge_loss(logits_real, logits_fake),
+          'disc/logits_real': jnp.mean(logits_real), 'disc/logits_fake': jnp.mean(logits_fake)}
+
+
 def vqvae_task(config) -> Task:
-  """VAR's multi-scale VQVAE: pixel MSE of the (straight-through) reconstruction plus the
-  quantiser's VQ loss, the first two terms of the VAR paper's tokenizer loss (its eq. 5);
-  its perceptual (LPIPS) and adversarial terms are not implemented."""
+  """VAR's multi-scale VQVAE on the VAR paper's tokenizer loss (its eq. 5) in the VQGAN recipe:
+  pixel MSE of the (straight-through) reconstruction + the quantiser's VQ loss
+  + perceptual_weight x LPIPS + gate x (disc_weight x generator loss + discriminator hinge loss).
+
+  Trained params are {'vqvae', 'disc'} (one optimizer step updates both; `_adversarial`
+  routes the gradients); `frozen` is LPIPS's params (None when perceptual_weight is 0);
+  the model state {'micro_steps'} counts loss evaluations (grad_accum per train step, not
+  advanced by a skipped step), so gate = [micro_steps // grad_accum >= disc_start]. The
+  metrics are the unweighted terms; the export is the VQVAE alone.
+  """
   vq_cfg = models.vqvae_config(config)
-  vq = VQVAE(vq_cfg)
+  _check_vqvae_loss(config, vq_cfg.image_size)
+  q, dtype, accum = config.loss, models.compute_dtype(config), config.train.grad_accum
+  vq, disc, lpips = VQVAE(vq_cfg), PatchDiscriminator(q.disc_channels, q.disc_layers, dtype), lpips_lib.LPIPS(dtype)
+  perceptual = q.perceptual_weight > 0
+  frozen = _lpips_params(config, dtype) if perceptual else None
+
+  def init(key):
+    k_vq, k_disc = jax.random.split(key)
+    img = jnp.zeros((1, vq_cfg.image_size, vq_cfg.image_size, 3), jnp.float32)
+    params = {'vqvae': _vqvae_shapes(vq_cfg, k_vq), 'disc': disc.init(k_disc, img)['params']}
+    return params, {'micro_steps': jnp.zeros((), jnp.int32)}
 
   def inputs(frozen, batch, key):
-    del frozen, key
-    return to_unit_range(batch['image'])
+    del key
+    return to_unit_range(batch['image']), frozen  # the loss needs LPIPS's params: they ride with the images
 
-  def loss(params, model_state, images, labels, key):
+  def loss(params, model_state, inputs, labels, key):
     del labels
-    rec, vq_loss = vq.apply({'params': params}, images, train=True, rngs={'dropout': key})
-    rec_loss = jnp.mean(jnp.square(rec.astype(jnp.float32) - images))
-    return rec_loss + vq_loss, ({'loss/reconstruction': rec_loss, 'loss/vq': vq_loss}, model_state)
+    images, lpips_params = inputs
+    rec, vq_loss = vq.apply({'params': params['vqvae']}, images, train=True, rngs={'dropout': key})
+    rec = rec.astype(jnp.float32)
+    metrics = {'loss/reconstruction': jnp.mean(jnp.square(rec - images)), 'loss/vq': vq_loss,
+               'loss/perceptual': (jnp.mean(lpips.apply({'params': lpips_params}, rec, images)) if perceptual
+                                   else jnp.zeros((), jnp.float32))}
+    metrics.update(_adversarial(disc, params['disc'], images, rec))
+    steps = model_state['micro_steps']
+    gate = (steps // accum >= q.disc_start).astype(jnp.float32)
+    total = (metrics['loss/reconstruction'] + vq_loss + q.perceptual_weight * metrics['loss/perceptual']
+             + gate * (q.disc_weight * metrics['loss/generator'] + metrics['loss/discriminator']))
+    return total, (metrics, {'micro_steps': steps + 1})
 
   def reconstruct(params, images):
-    idx = vq.apply({'params': params}, to_unit_range(images), method=VQVAE.img_to_indices)
-    return (vq.apply({'params': params}, idx, method=VQVAE.indices_to_img) + 1) * 0.5
+    p = {'params': params['vqvae']}
+    idx = vq.apply(p, to_unit_range(images), method=VQVAE.img_to_indices)
+    return (vq.apply(p, idx, method=VQVAE.indices_to_img) + 1) * 0.5
 
-  return Task('vqvae', vq_cfg.image_size, config.num_classes,
-              lambda k: (_vqvae_shapes(vq_cfg, k), {}), None, inputs, loss, None, ('vqvae', None),
-              reconstruct=reconstruct)
+  return Task('vqvae', vq_cfg.image_size, config.num_classes, init, frozen, inputs, loss, None, ('vqvae', None),
+              reconstruct=reconstruct, export=lambda params: params['vqvae'])
 
 
 BUILDERS = {'var': var_task, 'mar': mar_task, 'ecar': ecar_task, 'vqvae': vqvae_task}

@@ -174,8 +174,10 @@ class Trainer:
   def export(self) -> None:
     """EMA params + frozen tokenizer in the `python -m train.sample --ckpt WORKDIR` layout."""
     trained, frozen = self.task.names
-    params = {trained: self.state.ema_params}
-    if self.frozen is not None:  # pixel-space models have no tokenizer
+    ema = self.state.ema_params
+    params = {trained: ema if self.task.export is None else self.task.export(ema)}
+    # Pixel-space models have no tokenizer; a tokenizer's task names no frozen part to export.
+    if frozen is not None and self.frozen is not None:
       params[frozen] = self.frozen
     params_ckpt.save_params(self.workdir, params,
                             {'family': self.config.family, 'step': int(self.state.step), 'ema': True})

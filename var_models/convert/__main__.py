@@ -12,6 +12,7 @@ from var_models.autoencoder_kl import KL16, SDXL_F8C4
 from var_models.convert.autoencoder_kl import convert_autoencoder_kl
 from var_models.convert.common import strip_prefix
 from var_models.convert.diffusers_vae import convert_diffusers_vae
+from var_models.convert.lpips import convert_lpips
 from var_models.convert.mar import convert_mar
 from var_models.convert.var import convert_var, infer_var_depth
 from var_models.convert.vqvae import convert_vqvae
@@ -93,6 +94,14 @@ def convert_sdxl_vae_file(vae_path: str, out: str, vae_cfg=None) -> None:
   print(f'wrote SDXL VAE params to {out}')
 
 
+def convert_lpips_files(vgg_path: str, lin_path: str, out: str) -> None:
+  """torchvision's vgg16 weights + the lpips package's v0.1 vgg lin weights -> checkpoint {'lpips'} at
+  `out`, the perceptual loss of VQVAE training (configs/var.py's lpips_ckpt)."""
+  params = {'lpips': convert_lpips(load_state_dict(vgg_path), load_state_dict(lin_path))}
+  checkpoint.save_params(out, params, {'model': 'lpips-vgg-v0.1', 'vgg': vgg_path, 'lin': lin_path})
+  print(f'wrote LPIPS (vgg, v0.1) params to {out}')
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog='python -m var_models.convert', description=__doc__)
   sub = parser.add_subparsers(dest='family', required=True)
@@ -110,12 +119,18 @@ def main(argv=None) -> None:
   x = sub.add_parser('sdxl-vae', help='SDXL VAE, diffusers layout (diffusion_pytorch_model.safetensors)')
   x.add_argument('--vae', required=True, help='diffusion_pytorch_model.safetensors (or .npz)')
   x.add_argument('--out', required=True, help='output checkpoint directory')
+  lp = sub.add_parser('lpips', help="LPIPS 'vgg' v0.1: torchvision's vgg16 + the lpips package's lin weights")
+  lp.add_argument('--vgg', required=True, help="torchvision's vgg16 state dict (vgg16-397923af.pth, or .npz)")
+  lp.add_argument('--lin', required=True, help="the lpips package's weights/v0.1/vgg.pth (or .npz)")
+  lp.add_argument('--out', required=True, help='output checkpoint directory')
   args = parser.parse_args(argv)
   try:
     if args.family == 'var':
       convert_var_files(args.vae, args.var, args.depth, args.out)
     elif args.family == 'mar':
       convert_mar_files(args.vae, args.mar, args.model, args.out, args.ema)
+    elif args.family == 'lpips':
+      convert_lpips_files(args.vgg, args.lin, args.out)
     else:
       convert_sdxl_vae_file(args.vae, args.out)
   except ValueError as e:
