@@ -159,9 +159,9 @@ def bench_csla(args, ceil):
     sets8 = _qkv_sets(b, lq, lk8, h, d, 2)
     mosaic = {f'mosaic csla (kv buffer {lk8})': sparse,
               f'mosaic dense (kv buffer {lk8})': pk.dense_layout(lq, lk, blk, blk)}
+    q8, k8, v8 = sets8[0]
     for name, lay in mosaic.items():
       variants[name] = lambda q, k, v, lay=lay: pk.block_sparse_attention(q, k, v, lay, impl='mosaic')
-      q8, k8, v8 = sets8[0]
       errs[name] = rel_err(variants[name](q8, k8, v8),
                            _xla_f32(q8, k8[:, :lk], v8[:, :lk], mask if lay is sparse else None))
   calls = 2 if smoke else 50

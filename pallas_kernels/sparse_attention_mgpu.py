@@ -37,10 +37,8 @@ STAGES = 2  # key/value ring slots: two measured faster than three (NOTES.md)
 
 @dataclasses.dataclass(frozen=True)
 class _Dims:
-  half: int
   block_k: int
   head_dim: int
-  stages: int
   per_head: bool
   qk_scale: float  # softmax scale x log2(e)
   dtype: jnp.dtype
@@ -78,23 +76,23 @@ def _kernel(ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_ref, k_ref, v_r
   def _compute():
     plgpu.set_max_registers(232, action='increase')
     q_smem = q_smem2.at[wg]
-    q0 = u * (2 * d.half) + wg * d.half
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q0, d.half), head], q_smem, q_ready.at[wg])
+    q0 = u * (2 * HALF) + wg * HALF
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q0, HALF), head], q_smem, q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
 
     def step(t, carry, masked: bool):
       acc, m, l = carry
-      slot = lax.rem(t, d.stages)
+      slot = lax.rem(t, STAGES)
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
         pass_turn()
         return acc_ref[...]
-      s = pl.run_scoped(qk, plgpu.ACC((d.half, d.block_k), jnp.float32))
+      s = pl.run_scoped(qk, plgpu.ACC((HALF, d.block_k), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
       s = s * d.qk_scale
       if masked:
-        rows = bias_ref.at[mids_ref[hl, u, t], pl.ds(wg * d.half, d.half)]
+        rows = bias_ref.at[mids_ref[hl, u, t], pl.ds(wg * HALF, HALF)]
         s = s + plgpu.load(rows, layout=plgpu.Layout.WGMMA, optimized=False)
       m_new = jnp.maximum(m, s.max(axis=1))
       # A row with no visible key yet keeps m = -inf: exponentiate against 0 then.
@@ -116,14 +114,14 @@ def _kernel(ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_ref, k_ref, v_r
 
         @pl.when(nxt < count)
         def _():
-          plgpu.barrier_wait(k_ready.at[lax.rem(nxt, d.stages)])
+          plgpu.barrier_wait(k_ready.at[lax.rem(nxt, STAGES)])
       acc = pl.run_state(pv)(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
-    carry = (plgpu.layout_cast(jnp.zeros((d.half, d.head_dim), jnp.float32), plgpu.Layout.WGMMA),
-             plgpu.layout_cast(jnp.full((d.half,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-             plgpu.layout_cast(jnp.zeros((d.half,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+    carry = (plgpu.layout_cast(jnp.zeros((HALF, d.head_dim), jnp.float32), plgpu.Layout.WGMMA),
+             plgpu.layout_cast(jnp.full((HALF,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+             plgpu.layout_cast(jnp.zeros((HALF,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
 
     @pl.when(count > 0)
     def _():
@@ -139,9 +137,9 @@ def _kernel(ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_ref, k_ref, v_r
     if d.with_lse:
       lse_smem2.at[wg][...] = m * LN2 + jnp.log(l_safe)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[batch, pl.ds(q0, d.half), head])
+    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[batch, pl.ds(q0, HALF), head])
     if d.with_lse:
-      plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[batch, head, pl.ds(q0, d.half)])
+      plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[batch, head, pl.ds(q0, HALF)])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
@@ -152,19 +150,19 @@ def _kernel(ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_ref, k_ref, v_r
       rows = (batch, pl.ds(ids_ref[hl, u, t] * d.block_k, d.block_k), head)
       plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], ready.at[slot])
 
-    for t in range(d.stages):
+    for t in range(STAGES):
       @pl.when(t < count)
       def _():
         fetch(t, t, k_ref, k_smem, k_ready)
         fetch(t, t, v_ref, v_smem, v_ready)
 
-    @pl.loop(0, jnp.maximum(count - d.stages, 0))
+    @pl.loop(0, jnp.maximum(count - STAGES, 0))
     def _(i):
-      slot = lax.rem(i, d.stages)
+      slot = lax.rem(i, STAGES)
       plgpu.barrier_wait(k_free.at[slot])
-      fetch(i + d.stages, slot, k_ref, k_smem, k_ready)
+      fetch(i + STAGES, slot, k_ref, k_smem, k_ready)
       plgpu.barrier_wait(v_free.at[slot])
-      fetch(i + d.stages, slot, v_ref, v_smem, v_ready)
+      fetch(i + STAGES, slot, v_ref, v_smem, v_ready)
 
 
 def forward(q, k, v, layout: BlockLayout, scale: float, *, with_lse: bool = True):
@@ -175,9 +173,8 @@ def forward(q, k, v, layout: BlockLayout, scale: float, *, with_lse: bool = True
   rows in eights).
   """
   b, lq, h, hd = q.shape
-  stages = STAGES
-  d = _Dims(half=HALF, block_k=layout.block_k, head_dim=hd, stages=STAGES,
-            per_head=layout.heads > 1, qk_scale=scale * LOG2E, dtype=q.dtype, with_lse=with_lse)
+  d = _Dims(block_k=layout.block_k, head_dim=hd, per_head=layout.heads > 1, qk_scale=scale * LOG2E,
+            dtype=q.dtype, with_lse=with_lse)
   lists = [jnp.asarray(a) for a in (layout.kv_ids, layout.kv_full, layout.kv_count, layout.kv_mask)]
   bias = jnp.where(jnp.asarray(layout.masks) != 0, 0.0, -jnp.inf).astype(jnp.float32)
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -187,14 +184,14 @@ def forward(q, k, v, layout: BlockLayout, scale: float, *, with_lse: bool = True
 
   def entry(*refs):
     scratch = [plgpu.SMEM((2, HALF, hd), q.dtype, transforms=tiled),
-               plgpu.SMEM((stages, d.block_k, hd), q.dtype, transforms=tiled),
-               plgpu.SMEM((stages, d.block_k, hd), q.dtype, transforms=tiled),
+               plgpu.SMEM((STAGES, d.block_k, hd), q.dtype, transforms=tiled),
+               plgpu.SMEM((STAGES, d.block_k, hd), q.dtype, transforms=tiled),
                plgpu.SMEM((2, HALF), jnp.float32) if with_lse else None]
     pl.run_scoped(
         lambda *scoped: _kernel(*refs, scoped, d=d), scratch,
-        (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+        (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
          plgpu.Barrier(num_barriers=2)),
-        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+        (plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),) * 2,
         plgpu.Barrier(num_arrivals=2),
         collective_axes='wg')
 

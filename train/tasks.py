@@ -26,12 +26,13 @@ import numpy as np
 from absl import logging
 
 from train import models
+from train.validate import check_vqvae_loss
 from var_models import lpips as lpips_lib
 from var_models import mar as mar_lib
 from var_models import var as var_lib
 from var_models.autoencoder_kl import AutoencoderKL, sample_posterior
 from var_models.mar_sampler import check_mar_sample_args, make_mar_sampler
-from var_models.patch_discriminator import PatchDiscriminator, discriminator_hinge_loss, generator_loss, patch_grid
+from var_models.patch_discriminator import PatchDiscriminator, discriminator_hinge_loss, generator_loss
 from var_models.var_sampler import check_sample_args, make_sampler
 from var_models.vqvae import VQVAE
 
@@ -235,35 +236,6 @@ def _lpips_params(config, dtype) -> Any:
   return {k: jax.tree.map(np.abs, v) if k.startswith('lin') else v for k, v in params.items()}
 
 
-def _check_number(section, prefix: str, key: str, minimum, integer: bool) -> None:
-  v = section[key]
-  kind = int if integer else (int, float)
-  if isinstance(v, bool) or not isinstance(v, kind) or not np.isfinite(v) or v < minimum:
-    raise ValueError(f'config.{prefix}.{key} must be {"an integer" if integer else "a number"} >= {minimum}, '
-                     f'got {v!r}')
-
-
-def _check_vqvae_loss(config, image_size: int) -> None:
-  """config.loss and config.lpips_ckpt of a configs/var.py vqvae config; each error names its key."""
-  if 'loss' not in config:
-    raise ValueError('config has no `loss` section (configs/var.py:vqvae sets perceptual_weight, disc_weight, '
-                     'disc_start, disc_channels, disc_layers)')
-  q = config.loss
-  for key in ('perceptual_weight', 'disc_weight'):
-    _check_number(q, 'loss', key, 0, integer=False)
-  _check_number(q, 'loss', 'disc_start', 0, integer=True)
-  for key in ('disc_channels', 'disc_layers'):
-    _check_number(q, 'loss', key, 1, integer=True)
-  if patch_grid(image_size, q.disc_layers) < 1:
-    raise ValueError(f'config.loss.disc_layers={q.disc_layers} leaves the discriminator no output for '
-                     f'{image_size} px images (it needs >= {3 * 2 ** q.disc_layers} px)')
-  if not isinstance(config.lpips_ckpt, str):
-    raise ValueError(f'config.lpips_ckpt must be a directory path or empty, got {config.lpips_ckpt!r}')
-  if q.perceptual_weight > 0 and image_size < lpips_lib.MIN_SIZE:
-    raise ValueError(f'config.loss.perceptual_weight={q.perceptual_weight} needs images of at least '
-                     f'{lpips_lib.MIN_SIZE} px (LPIPS VGG16), got image_size {image_size}; set it to 0')
-
-
 def _adversarial(disc: PatchDiscriminator, disc_params, real: Array, fake: Array) -> dict:
   """The PatchGAN's terms, routed so that one gradient of their sum trains both networks.
 
@@ -292,7 +264,7 @@ def vqvae_task(config) -> Task:
   metrics are the unweighted terms; the export is the VQVAE alone.
   """
   vq_cfg = models.vqvae_config(config)
-  _check_vqvae_loss(config, vq_cfg.image_size)
+  check_vqvae_loss(config, vq_cfg.image_size)
   q, dtype, accum = config.loss, models.compute_dtype(config), config.train.grad_accum
   vq, disc, lpips = VQVAE(vq_cfg), PatchDiscriminator(q.disc_channels, q.disc_layers, dtype), lpips_lib.LPIPS(dtype)
   perceptual = q.perceptual_weight > 0

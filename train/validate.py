@@ -5,6 +5,8 @@ import math
 
 from train.data.transforms import CROPS
 from train.optimizer import SCHEDULES
+from var_models.lpips import MIN_SIZE as LPIPS_MIN_SIZE
+from var_models.patch_discriminator import patch_grid
 
 SOURCES = ('synthetic', 'folder', 'imagenet')
 
@@ -65,6 +67,25 @@ def check_data(d, family: str) -> None:
     _check(bool(d.path), 'data.path', d.path, 'the image folder (one sub-folder per class)')
   _check(not d.cache_latents or family in ('mar', 'ecar'), 'data.cache_latents', d.cache_latents,
          'False for this family (MAR and E-CAR on VAE latents train on cached latents)')
+
+
+def check_vqvae_loss(config, image_size: int) -> None:
+  """config.loss and config.lpips_ckpt of a configs/var.py vqvae config (the tokenizer's task checks it)."""
+  if 'loss' not in config:
+    raise ValueError('config has no `loss` section (configs/var.py:vqvae sets perceptual_weight, disc_weight, '
+                     'disc_start, disc_channels, disc_layers)')
+  q = config.loss
+  for k in ('perceptual_weight', 'disc_weight'):
+    _check(_is_num(q[k]) and q[k] >= 0, f'loss.{k}', q[k], 'a number >= 0')
+  _ints(q, 'loss', 0, ('disc_start',))
+  _ints(q, 'loss', 1, ('disc_channels', 'disc_layers'))
+  if patch_grid(image_size, q.disc_layers) < 1:
+    raise ValueError(f'config.loss.disc_layers={q.disc_layers} leaves the discriminator no output for '
+                     f'{image_size} px images (it needs >= {3 * 2 ** q.disc_layers} px)')
+  _check(isinstance(config.lpips_ckpt, str), 'lpips_ckpt', config.lpips_ckpt, 'a directory path or empty')
+  if q.perceptual_weight > 0 and image_size < LPIPS_MIN_SIZE:
+    raise ValueError(f'config.loss.perceptual_weight={q.perceptual_weight} needs images of at least '
+                     f'{LPIPS_MIN_SIZE} px (LPIPS VGG16), got image_size {image_size}; set it to 0')
 
 
 def check_config(config) -> None:
