@@ -9,7 +9,9 @@
     attends the same 10521.
 (b) Scale-causal training attention, forward and forward+backward, at VAR-d16
     256 px (L 680) and the 13-scale 1024 px schedule (L 10521), against cuDNN
-    with the explicit mask and XLA.
+    with the explicit mask and XLA. 'pallas' is the Triton lowering; 'pallas
+    mosaic' the Mosaic GPU kernels (Hopper), which pad lengths to a multiple of
+    8 themselves (at L 10521 a copy of q, k, v to 10528 rows, in the time).
 (c) Top-k gather/scatter on FastVAR's Infinity-2B shapes (width 2048, the 32x32
     and 40x40 scales) against lax.top_k + take_along_axis + scatter in XLA,
     with bandwidth against the measured device copy bandwidth.
@@ -203,8 +205,8 @@ def _train_variants(mask_np, layout, impl, smoke, bwd_configs):
     fwd[f'pallas bwd {cfg}'] = lambda q, k, v, sq=sq, sk=sk, w=int(warps): (
         pk.block_sparse_attention(q, k, v, layout, impl=impl, bwd_block_q=sq, bwd_block_k=sk,
                                   bwd_num_warps=w))
-  if not smoke:  # Mosaic GPU forward (Hopper; lengths of a multiple of 8), Triton backward
-    fwd['pallas, mosaic fwd'] = lambda q, k, v: pk.block_sparse_attention(q, k, v, layout, impl='mosaic')
+  if not smoke:  # Mosaic GPU forward and backward (Hopper; pads lengths to a multiple of 8)
+    fwd['pallas mosaic'] = lambda q, k, v: pk.block_sparse_attention(q, k, v, layout, impl='mosaic')
   fwd['xla + mask'] = lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, mask=mask, implementation='xla')
   if not smoke:

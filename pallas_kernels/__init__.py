@@ -1,6 +1,6 @@
 """pallas_kernels: block-sparse cross-scale attention and top-k token gather/scatter.
 
-Kernels in Pallas (Triton lowering on NVIDIA GPUs; the attention forward also in
+Kernels in Pallas (Triton lowering on NVIDIA GPUs; the attention, both directions, also in
 Mosaic GPU on Hopper), their layouts, and the plain-jnp references they fall back
 to elsewhere. Imports jax only.
 NOTES.md beside this file records floors, predictions and measurements.

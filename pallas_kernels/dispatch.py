@@ -5,7 +5,7 @@
                  plain-jnp reference elsewhere;
   'triton'    -- the Pallas Triton lowering (A100, H100, ...);
   'mosaic'    -- the Pallas Mosaic GPU lowering (Hopper), for the calls that have
-                 one (the attention forward);
+                 one (the attention, forward and backward);
   'interpret' -- the Pallas kernel in interpret mode (CPU tests);
   'reference' -- the plain-jnp reference.
 """

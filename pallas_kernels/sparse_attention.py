@@ -7,6 +7,7 @@ kernels (FlashAttention-2 style): dK/dV per key sub-block over the transposed
 lists, dQ per query sub-block over the forward lists; sub-blocks keep the
 backward's accumulators in registers at the layout's (larger) tile size.
 Lengths need not be block multiples: loads and stores past Lq or Lk are masked.
+On Hopper, `sparse_attention_mgpu` runs both directions instead where it can.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class _Config:
   num_warps: int
   bwd_num_warps: int
   num_stages: int
-  mosaic_fwd: bool  # the forward in Mosaic GPU (Hopper); the backward stays Triton's
+  mosaic: bool  # both directions in Mosaic GPU (Hopper); the Triton fields are then unused
   return_lse: bool
 
 
@@ -138,7 +139,7 @@ def _row_spec(lq):
 
 def _forward(q, k, v, layout: BlockLayout, cfg: _Config, with_lse: bool = True):
   """(out, lse); lse may be None when not `with_lse`."""
-  if cfg.mosaic_fwd:
+  if cfg.mosaic:
     outs = sparse_attention_mgpu.forward(q, k, v, layout, cfg.scale, with_lse=with_lse)
     return outs if with_lse else (outs, None)
   b, lq, h, _ = q.shape
@@ -243,6 +244,8 @@ def _backward(q, k, v, out, lse, do, dlse, layout: BlockLayout, cfg: _Config):
   # dS = P (dP - delta) with delta = rowsum(dO * O) - dlse (lse's own cotangent).
   delta = jnp.einsum('bqhd,bqhd->bhq', do.astype(jnp.float32), out.astype(jnp.float32)) - dlse
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+  if cfg.mosaic:
+    return sparse_attention_mgpu.backward(q, k, v, do, lse2, delta, layout, cfg.scale)
   dims = dict(cfg=cfg, lq=lq, lk=lk, bq=layout.block_q, bk=layout.block_k,
               per_head=layout.heads > 1)
   params = plgpu.CompilerParams(num_warps=cfg.bwd_num_warps, num_stages=BWD_STAGES)
@@ -343,11 +346,12 @@ def block_sparse_attention(q, k, v, layout: BlockLayout, *, scale: Optional[floa
   k and v may run past the layout's lk up to its last key block (a KV cache with
   spare rows, which must be finite): keys past lk are never attended and get no
   gradient. `impl`: see `pallas_kernels.dispatch`; on a Hopper 'auto' runs the
-  forward in Mosaic GPU where `sparse_attention_mgpu.unsupported` allows (the
-  backward is Triton's). The backward walks sub-blocks of
-  [bwd_block_q, bwd_block_k] inside the layout's tiles. `num_warps`,
-  `bwd_num_warps` and `num_stages` (forward) are Triton's; left as None, they take
-  the values measured best on an H100 for the head dim.
+  forward and backward in Mosaic GPU where `sparse_attention_mgpu.unsupported`
+  allows (lengths that are not multiples of 8 are padded for it: a copy of q, k,
+  v). The Triton backward walks sub-blocks of [bwd_block_q, bwd_block_k] inside
+  the layout's tiles. `num_warps`, `bwd_num_warps` and `num_stages`
+  (forward) are Triton's; left as None, they take the values measured best on an
+  H100 for the head dim.
   """
   t = _tuning(q.shape[-1], layout,
               dict(bwd_block_q=bwd_block_q, bwd_block_k=bwd_block_k, num_warps=num_warps,
@@ -360,5 +364,13 @@ def block_sparse_attention(q, k, v, layout: BlockLayout, *, scale: Optional[floa
     out, lse = reference.masked_attention(q, k[:, :lk], v[:, :lk], layout.dense(), scale)
     return (out, lse) if return_lse else out
   cfg = _Config(scale, impl == 'interpret', t['bwd_block_q'], t['bwd_block_k'], t['num_warps'],
-                t['bwd_num_warps'], t['num_stages'], mosaic_fwd=impl == 'mosaic', return_lse=return_lse)
-  return _attention(q, k, v, layout, cfg)
+                t['bwd_num_warps'], t['num_stages'], mosaic=impl == 'mosaic', return_lse=return_lse)
+  if impl != 'mosaic':
+    return _attention(q, k, v, layout, cfg)
+  # TMA moves rows in eights: pad to a multiple of 8 (inside the layout's last blocks).
+  # Padded keys lie past lk, so no query sees them; padded queries are cut off below
+  # and their zero cotangents add nothing to dK, dV.
+  lq = q.shape[1]
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, -x.shape[1] % 8), (0, 0), (0, 0)))
+  res = _attention(pad(q), pad(k), pad(v), layout, cfg)
+  return (res[0][:, :lq], res[1][..., :lq]) if return_lse else res[:, :lq]
