@@ -170,7 +170,10 @@ class KVCache:
   @classmethod
   def create(cls, batch: int, capacity: int, heads: int, head_dim: int, dtype) -> 'KVCache':
     shape = (batch, capacity, heads, head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), 0)
+    # The barrier keeps XLA from folding the zeros and the first append into a pad
+    # kernel, which fills the buffer slower than a copy of zeros (RESULTS.md, VAR d30).
+    k, v = jax.lax.optimization_barrier((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+    return cls(k, v, 0)
 
   @property
   def capacity(self) -> int:

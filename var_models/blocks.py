@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from var_models import attention as attn_lib
 from var_models import tokens as tok
@@ -33,10 +34,15 @@ def scaled(init: Callable, factor: float) -> Callable:
 
 
 def l2_normalize(x: Array, eps: float = 1e-12) -> Array:
-  """torch.nn.functional.normalize(x, dim=-1), computed in float32."""
+  """torch.nn.functional.normalize(x, dim=-1), computed in float32.
+
+  x * rsqrt(max(|x|^2, eps^2)) with the inverse norms behind an optimization
+  barrier: without it XLA on GPU fuses the reduction and the rescale into one
+  Triton normalization kernel that is slow on rows of 64 (RESULTS.md, VAR d30).
+  """
   x32 = x.astype(jnp.float32)
-  norm = jnp.sqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True))
-  return x32 / jnp.maximum(norm, eps)
+  inv = lax.rsqrt(jnp.maximum(jnp.sum(x32 * x32, axis=-1, keepdims=True), eps * eps))
+  return x32 * lax.optimization_barrier(inv)
 
 
 def drop_path(x: Array, rate: float, deterministic: bool, module: nn.Module) -> Array:
