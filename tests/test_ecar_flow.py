@@ -87,8 +87,8 @@ def test_time_windows_tile_the_interval():
 
 @pytest.mark.parametrize('gamma', [1 / 3, 0.2])
 def test_block_noise_covariance(gamma):
-  n = flow.block_noise(jax.random.key(3), (512, 8, 8, 2), gamma)
-  blocks = np.asarray(n).reshape(512, 4, 2, 4, 2, 2).transpose(0, 1, 3, 5, 2, 4).reshape(-1, 4)
+  n = flow.block_noise(jax.random.key(3), (4096, 8, 8, 2), gamma)  # 131072 blocks: atol ~7 sigma
+  blocks = np.asarray(n).reshape(4096, 4, 2, 4, 2, 2).transpose(0, 1, 3, 5, 2, 4).reshape(-1, 4)
   cov = blocks.T @ blocks / len(blocks)
   np.testing.assert_allclose(cov, (1 + gamma) * np.eye(4) - gamma * np.ones((4, 4)), atol=0.03)
   if gamma == 1 / 3:
