@@ -1,0 +1,108 @@
+"""A transformer's fc1, bias and tanh-GELU as one GEMM for Hopper, in Pallas' Mosaic GPU lowering.
+
+y = gelu_tanh(x @ w + b): float32 accumulation, the bias and the GELU applied to the
+accumulator, one rounding to the output dtype. XLA runs the GELU as a separate pass
+over the [M, 4C] activation (its GEMM rewriter fuses no GELU epilogue here, RESULTS.md);
+this kernel never writes the pre-activation.
+
+Organisation: a persistent warp-specialised GEMM. One CTA per SM walks output tiles
+of [TILE_M, 2 * TILE_N] in a snake order that keeps a band of GRID_WIDTH row tiles
+hot in L2; a producer warpgroup streams [TILE_M, TILE_K] and [TILE_K, 2 * TILE_N]
+operand tiles through STAGES shared-memory slots with TMA; two compute warpgroups
+each own [TILE_M, TILE_N] of the tile on wgmma, then add the bias, apply the GELU
+and store through shared memory with TMA, the store overlapping the next tile.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+TILE_M, TILE_N, TILE_K = 128, 128, 64
+STAGES = 3        # operand ring slots; the output staging takes the rest of shared memory
+GRID_WIDTH = 8    # row tiles per band of the snake order
+TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+# gelu_tanh(h) = h * sigmoid(2u), u = sqrt(2/pi) (h + 0.044715 h^3): exp2 in place of tanh.
+_GELU_2U_LOG2E = 2.0 * math.sqrt(2.0 / math.pi) * math.log2(math.e)
+
+
+def unsupported(x: jax.Array, w: jax.Array) -> str:
+  """Why the kernel does not take x [M, K] and w [K, N] ('' when it does)."""
+  if x.dtype not in (jnp.bfloat16, jnp.float16) or w.dtype != x.dtype:
+    return f'the Mosaic GPU dense-GELU takes bfloat16 or float16 x and w alike, got {x.dtype}, {w.dtype}'
+  if x.shape[0] % TILE_M or x.shape[1] % TILE_K or w.shape[1] % (2 * TILE_N):
+    return (f'the Mosaic GPU dense-GELU takes M, K, N multiples of {TILE_M}, {TILE_K}, '
+            f'{2 * TILE_N}; got {x.shape[0]}, {x.shape[1]}, {w.shape[1]}')
+  return ''
+
+
+def _gelu(h):
+  return h / (1.0 + jnp.exp2(-_GELU_2U_LOG2E * (h + 0.044715 * (h * h * h))))
+
+
+def _kernel(x_ref, w_ref, b_ref, o_ref, *, m_tiles: int, n_tiles: int):
+  k_tiles = x_ref.shape[1] // TILE_K
+
+  def pipeline(body, context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_tiles,), memory_registers=40, wg_axis='wg', num_compute_wgs=2,
+        max_concurrent_steps=STAGES, compute_context=context,
+        in_specs=[plgpu.BlockSpec((TILE_M, TILE_K), lambda k: (0, k), transforms=TILED),
+                  plgpu.BlockSpec((TILE_K, 2 * TILE_N), lambda k: (k, 0), transforms=TILED)])
+
+  unused = lambda *_, **__: None
+
+  @functools.partial(pl.run_scoped,
+                     allocs=pipeline(unused, unused).get_allocations(x_ref, w_ref),
+                     out_smem=plgpu.SMEM((2, TILE_M, TILE_N), o_ref.dtype, transforms=TILED),
+                     collective_axes='wg')
+  def _(allocs, out_smem):
+    wg = lax.axis_index('wg')
+
+    @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes='sm')
+    def _(info):
+      (t,) = info.index
+      mi, ni = plgpu.planar_snake(t, (m_tiles, n_tiles), 0, min(GRID_WIDTH, m_tiles))
+      rows = pl.ds(mi * TILE_M, TILE_M)
+      n0 = ni * (2 * TILE_N) + wg * TILE_N
+
+      def epilogue(run):
+        @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
+        def _(acc):
+          run(acc)
+          bias = plgpu.load(b_ref.at[pl.ds(n0, TILE_N)], layout=plgpu.Layout.WGMMA.reduce(0),
+                            optimized=False)
+          y = _gelu(acc[...] + lax.broadcast_in_dim(bias, (TILE_M, TILE_N), [1]))
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read out_smem
+          out_smem[wg] = y.astype(o_ref.dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(out_smem.at[wg], o_ref.at[rows, pl.ds(n0, TILE_N)])
+
+      def step(_, x_smem, w_smem, acc):
+        plgpu.wgmma(acc, x_smem, w_smem.at[:, pl.ds(wg * TILE_N, TILE_N)])
+        plgpu.wgmma_wait(0)
+        return acc
+
+      pipeline(step, epilogue)(x_ref.at[rows, :], w_ref.at[:, pl.ds(ni * 2 * TILE_N, 2 * TILE_N)],
+                               allocations=allocs)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def dense_gelu(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+  """gelu_tanh(x @ w + b): x [M, K], w [K, N] (see `unsupported`), b [N] -> [M, N] in x's dtype."""
+  reason = unsupported(x, w)
+  if reason:
+    raise ValueError(reason)
+  m, n = x.shape[0], w.shape[1]
+  num_sms = jax.devices()[0].core_count
+  return plgpu.kernel(
+      functools.partial(_kernel, m_tiles=m // TILE_M, n_tiles=n // (2 * TILE_N)),
+      out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
+      grid=(num_sms,), grid_names=('sm',), num_threads=3, thread_name='wg',
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(x, w, b.astype(jnp.float32))
