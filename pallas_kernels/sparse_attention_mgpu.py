@@ -97,9 +97,10 @@ def _bias(masks: np.ndarray) -> jax.Array:
 
 
 def _stream(steps, fetches, stages: int):
-  """The producer warpgroup's loop: for each step i < steps and each (fetch, free) pair,
-  fetch(i, slot) into ring slot i % stages once the consumers have arrived on free[slot]
-  for what the slot held before."""
+  """The producer warpgroup: with few registers, for each step i < steps and each (fetch,
+  free) pair, fetch(i, slot) into ring slot i % stages once the consumers have arrived on
+  free[slot] for what the slot held before."""
+  plgpu.set_max_registers(40, action='decrease')
   for i in range(stages):
     @pl.when(i < steps)
     def _():
@@ -125,6 +126,19 @@ def _call(body, lists, bias, args, *, out_type, grid, grid_names, compute_wgs, s
       num_threads=compute_wgs + 1, thread_name='wg',
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(*[jnp.asarray(a) for a in lists], bias, *args)
+
+
+def _sub_step(i, subs: int):
+  """Backward step i -> (its entry in the block's list, its first row in that listed block):
+  each listed block is walked in `subs` steps of ROWS rows."""
+  return lax.div(i, subs), lax.rem(i, subs) * ROWS
+
+
+def _with_bias(s, bias_ref, mid, wg, col0):
+  """s [ROWS, ROWS] plus the 0 / -inf bias of mask-table row `mid`: this warpgroup's rows,
+  the step's columns col0 .. col0 + ROWS."""
+  tile = bias_ref.at[mid, pl.ds(wg * ROWS, ROWS), pl.ds(col0, ROWS)]
+  return s + plgpu.load(tile, layout=plgpu.Layout.WGMMA, optimized=False)
 
 
 def _longest_first(count: np.ndarray) -> np.ndarray:
@@ -220,8 +234,6 @@ def _fwd_kernel(order_ref, ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_
 
   @pl.when(wg == 2)
   def _memory():
-    plgpu.set_max_registers(40, action='decrease')
-
     def fetch(t, slot, ref, smem, ready):
       rows = (batch, pl.ds(ids_ref[hl, u, t] * d.block_k, d.block_k), head)
       plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], ready.at[slot])
@@ -292,9 +304,8 @@ def _dkv_kernel(order_ref, ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_
         return acc_ref[...]
       s_t = pl.run_scoped(kq, plgpu.ACC((ROWS, ROWS), jnp.float32)) * d.qk_scale  # [keys, queries]
       if masked:
-        tile = bias_ref.at[mids_ref[hl, j, lax.div(i, subs)], pl.ds(wg * ROWS, ROWS),
-                           pl.ds(lax.rem(i, subs) * ROWS, ROWS)]
-        s_t = s_t + plgpu.load(tile, layout=plgpu.Layout.WGMMA, optimized=False)
+        t, r0 = _sub_step(i, subs)
+        s_t = _with_bias(s_t, bias_ref, mids_ref[hl, j, t], wg, r0)
       lse2 = plgpu.load(lse_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
       p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
 
@@ -325,10 +336,9 @@ def _dkv_kernel(order_ref, ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_
 
   @pl.when(wg == compute_wgs)
   def _memory():
-    plgpu.set_max_registers(40, action='decrease')
-
     def fetch(i, slot):
-      q0 = ids_ref[hl, j, lax.div(i, subs)] * d.block_q + lax.rem(i, subs) * ROWS
+      t, r0 = _sub_step(i, subs)
+      q0 = ids_ref[hl, j, t] * d.block_q + r0
       rows = (batch, pl.ds(q0, ROWS), head)
       plgpu.copy_gmem_to_smem(q_ref.at[rows], q_ring.at[slot], ready.at[slot])
       plgpu.copy_gmem_to_smem(do_ref.at[rows], do_ring.at[slot], ready.at[slot])
@@ -375,9 +385,8 @@ def _dq_kernel(order_ref, ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_r
       s, dp = pl.run_state(s_and_dp)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
       s = s * d.qk_scale
       if masked:
-        tile = bias_ref.at[mids_ref[hl, u, lax.div(i, subs)], pl.ds(wg * ROWS, ROWS),
-                           pl.ds(lax.rem(i, subs) * ROWS, ROWS)]
-        s = s + plgpu.load(tile, layout=plgpu.Layout.WGMMA, optimized=False)
+        t, r0 = _sub_step(i, subs)
+        s = _with_bias(s, bias_ref, mids_ref[hl, u, t], wg, r0)
       p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [0]))
       ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
 
@@ -397,10 +406,9 @@ def _dq_kernel(order_ref, ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_r
 
   @pl.when(wg == 2)
   def _memory():
-    plgpu.set_max_registers(40, action='decrease')
-
     def fetch(i, slot):
-      k0 = ids_ref[hl, u, lax.div(i, subs)] * d.block_k + lax.rem(i, subs) * ROWS
+      t, r0 = _sub_step(i, subs)
+      k0 = ids_ref[hl, u, t] * d.block_k + r0
       rows = (batch, pl.ds(k0, ROWS), head)
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_ring.at[slot], ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_ring.at[slot], ready.at[slot])
