@@ -10,6 +10,7 @@ fresh key, timed on the host after block_until_ready.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels as pk
 from var_models.var import VARConfig
 from var_models.var_sampler import make_sampler
 from var_models.vqvae import VQVAE, VQVAEConfig
@@ -67,6 +69,8 @@ def main():
   ap.add_argument('--hlo_stats', action='store_true', help='print the compiled entry ops by kind')
   ap.add_argument('--profile', default='', help='trace one call into this folder; print the top kernels')
   ap.add_argument('--decode', action='store_true', help='also time the VQVAE decoder alone per batch')
+  ap.add_argument('--kernels', default='auto', help="pallas_kernels' 'auto' and/or 'reference' "
+                  "(the Hopper dense-GELU kernel in the FFNs, or XLA's GEMM + GELU), side by side")
   ap.add_argument('--xla', default='', help="XLA compiler-option variants side by side, e.g. "
                   "';xla_gpu_enable_cublaslt=true' (XLA's defaults, then cuBLASLt)")
   args = ap.parse_args()
@@ -81,15 +85,18 @@ def main():
               flush=True)
     for pdt in args.param_dtypes.split(','):
       params = cast_var_params(base, jnp.dtype(pdt))
-      for backend in args.backends.split(','):
+      for backend, kernels in itertools.product(args.backends.split(','), args.kernels.split(',')):
         var_cfg = VARConfig(depth=depth, dtype=jnp.bfloat16, attn_backend=backend)
+        # A fresh sampler per setting: the override acts at trace time, and a jit cache ignores it.
         sample = make_sampler(var_cfg, VQVAEConfig(dtype=jnp.bfloat16))
         for batch, xla in itertools.product([int(b) for b in args.batches.split(',')], xla_variants(args.xla)):
-          r = dict(depth=depth, backend=backend, param_dtype=pdt, batch=batch, xla=xla,
-                   **time_sampler(sample, params, batch, args.warmup, args.iters, args.hlo_stats,
-                                  args.profile, xla))
+          with contextlib.nullcontext() if kernels == 'auto' else pk.override(kernels):
+            timed = time_sampler(sample, params, batch, args.warmup, args.iters, args.hlo_stats,
+                                 args.profile, xla)
+          r = dict(depth=depth, backend=backend, kernels=kernels, param_dtype=pdt, batch=batch, xla=xla,
+                   **timed)
           rows.append(r)
-          print(f"d{depth:<3} {backend:6} {pdt:9} B={batch:<3} xla {xla or 'defaults'}  "
+          print(f"d{depth:<3} {backend:6} {pdt:9} kernels {kernels:9} B={batch:<3} xla {xla or 'defaults'}  "
                 f"compile {r['compile_s']:6.1f} s  median {r['median_ms']:8.2f} ms  per image {r['per_image_ms']:7.3f} ms  "
                 f"[{r['min_ms']:.2f}, {r['max_ms']:.2f}]", flush=True)
     del base

@@ -5,7 +5,7 @@ w [K, N], b [N]. On a Hopper GPU ('auto') the Mosaic GPU kernel of
 `dense_gelu_mgpu` computes it without writing the pre-activation; elsewhere, and
 for shapes that kernel does not take, XLA computes the reference (the GEMM, then
 the bias and the GELU in x's dtype, exactly as flax's Dense + jax.nn.gelu).
-No model calls it yet: see NOTES.md for what is measured and what is not.
+`var_models.blocks.FFN` calls it at inference; NOTES.md has the measurements.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import jax
 
 from pallas_kernels import dense_gelu_mgpu, dispatch
 
-# 'auto' leaves GEMMs of fewer rows to XLA: measured faster than XLA's GEMM + GELU from
-# 8232 rows up; below that, not measured alone (NOTES.md).
+# 'auto' leaves GEMMs of fewer rows to XLA: measured in VAR-d30's sampler from 8192 rows up;
+# below that not measured, and each further shape costs compile time (NOTES.md).
 AUTO_MIN_ROWS = 8192
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from pallas_kernels import dense_gelu
 from pallas_kernels.dispatch import is_hopper
+from var_models.blocks import FFN
 
 
 def _inputs(seed, m, k, n, dtype):
@@ -25,6 +26,21 @@ def test_reference_equals_flax_dense_then_gelu():
   p = {k: v.astype(jnp.bfloat16) for k, v in params['params'].items()}
   got = dense_gelu(x, p['kernel'], p['bias'])  # on the CPU, 'auto' is the reference
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_ffn_keeps_dense_parameters_and_value_in_both_modes():
+  x = jax.random.normal(jax.random.key(0), (2, 7, 16), jnp.bfloat16)
+  ffn = FFN(16, 64, nn.initializers.normal(0.5), nn.initializers.normal(0.5), dtype=jnp.bfloat16)
+  params = ffn.init(jax.random.key(1), x)
+  p = params['params']
+  assert jax.tree.map(jnp.shape, p) == {'fc1': {'kernel': (16, 64), 'bias': (64,)},
+                                        'fc2': {'kernel': (64, 16), 'bias': (16,)}}
+  p = {'fc1': {**p['fc1'], 'bias': jax.random.normal(jax.random.key(2), (64,))}, 'fc2': p['fc2']}
+  dense = lambda n, q, h: nn.Dense(n, dtype=jnp.bfloat16).apply({'params': q}, h)
+  want = dense(16, p['fc2'], jax.nn.gelu(dense(64, p['fc1'], x), approximate=True))
+  for deterministic in (True, False):
+    got = ffn.apply({'params': p}, x, deterministic=deterministic)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_bad_arguments_raise_clear_errors():

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+import pallas_kernels as pk
 from var_models import attention as attn_lib
 from var_models import tokens as tok
 
@@ -97,6 +98,24 @@ class SelfAttention(nn.Module):
     return self.drop(self.proj(out.reshape(b, l, c)), deterministic=deterministic), kv
 
 
+class DenseGELU(nn.Module):
+  """tanh-approximate GELU of an nn.Dense (same parameters, same value). [..., K] -> [..., N].
+
+  `fused`: let `pallas_kernels.dense_gelu` pick its Hopper kernel, which never writes
+  the pre-activation; training passes False, as the kernel's backward would recompute it.
+  """
+  features: int
+  kernel_init: Callable
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, fused: bool) -> Array:
+    kernel = self.param('kernel', self.kernel_init, (x.shape[-1], self.features))
+    bias = self.param('bias', nn.initializers.zeros_init(), (self.features,))
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    return pk.dense_gelu(x, kernel, bias, impl='auto' if fused else 'reference')
+
+
 class FFN(nn.Module):
   """fc1 -> tanh-approximate GELU -> fc2. [B, l, C] -> [B, l, C]."""
   width: int
@@ -108,8 +127,7 @@ class FFN(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, deterministic: bool = True) -> Array:
-    x = nn.Dense(self.hidden, kernel_init=self.dense_init, dtype=self.dtype, name='fc1')(x)
-    x = nn.gelu(x, approximate=True)
+    x = DenseGELU(self.hidden, self.dense_init, self.dtype, name='fc1')(x, fused=deterministic)
     x = nn.Dense(self.width, kernel_init=self.proj_init, dtype=self.dtype, name='fc2')(x)
     return nn.Dropout(self.dropout)(x, deterministic=deterministic)
 
