@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import dense_gelu_mgpu as dg
+from pallas_kernels.dense_gelu import reference as xla
 from timing import time_compiled
 
 
@@ -28,7 +29,6 @@ def main():
   k, n = 1920, 7680
   w = (jax.random.normal(jax.random.key(1), (k, n)) * 0.03).astype(jnp.bfloat16)
   b = (jax.random.normal(jax.random.key(2), (n,)) * 0.5).astype(jnp.bfloat16)
-  xla = lambda x, w, b: jax.nn.gelu(x @ w + b, approximate=True)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   for m in (int(r) for r in args.rows.split(',')):
     x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)

@@ -141,6 +141,18 @@ def _with_bias(s, bias_ref, mid, wg, col0):
   return s + plgpu.load(tile, layout=plgpu.Layout.WGMMA, optimized=False)
 
 
+def _copy_query_rows(srcs, dsts, batch, head, q0, barrier) -> None:
+  """Copies rows q0.. (ROWS of them) of q, dO [B, L, H, D] and lse2, delta [B, H, L]
+  (`srcs`, in that order) into `dsts`, each copy arriving on `barrier`."""
+  q_ref, do_ref, lse_ref, delta_ref = srcs
+  q_dst, do_dst, lse_dst, delta_dst = dsts
+  rows = (batch, pl.ds(q0, ROWS), head)
+  plgpu.copy_gmem_to_smem(q_ref.at[rows], q_dst, barrier)
+  plgpu.copy_gmem_to_smem(do_ref.at[rows], do_dst, barrier)
+  for ref, dst in ((lse_ref, lse_dst), (delta_ref, delta_dst)):
+    plgpu.copy_gmem_to_smem(ref.at[batch, head, pl.ds(q0, ROWS)], dst, barrier)
+
+
 def _longest_first(count: np.ndarray) -> np.ndarray:
   """[Hl, n] block order by descending list length: the long CTAs start in the first
   waves and the short ones fill the last."""
@@ -339,11 +351,9 @@ def _dkv_kernel(order_ref, ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_
     def fetch(i, slot):
       t, r0 = _sub_step(i, subs)
       q0 = ids_ref[hl, j, t] * d.block_q + r0
-      rows = (batch, pl.ds(q0, ROWS), head)
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_ring.at[slot], ready.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_ring.at[slot], ready.at[slot])
-      for ref, ring in ((lse_ref, lse_ring), (delta_ref, delta_ring)):
-        plgpu.copy_gmem_to_smem(ref.at[batch, head, pl.ds(q0, ROWS)], ring.at[slot], ready.at[slot])
+      _copy_query_rows((q_ref, do_ref, lse_ref, delta_ref),
+                       (q_ring.at[slot], do_ring.at[slot], lse_ring.at[slot], delta_ring.at[slot]),
+                       batch, head, q0, ready.at[slot])
 
     _stream(steps, [(fetch, free)], d.stages)
 
@@ -363,11 +373,9 @@ def _dq_kernel(order_ref, ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_r
     plgpu.set_max_registers(232, action='increase')
     q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
     q0 = u * d.block_q + wg * ROWS
-    rows = (batch, pl.ds(q0, ROWS), head)
-    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_ready.at[wg])
-    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, q_ready.at[wg])
-    for ref, smem in ((lse_ref, lse_smem2), (delta_ref, delta_smem2)):
-      plgpu.copy_gmem_to_smem(ref.at[batch, head, pl.ds(q0, ROWS)], smem.at[wg], q_ready.at[wg])
+    _copy_query_rows((q_ref, do_ref, lse_ref, delta_ref),
+                     (q_smem, do_smem, lse_smem2.at[wg], delta_smem2.at[wg]), batch, head, q0,
+                     q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
     lse2 = plgpu.load(lse_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
     delta = plgpu.load(delta_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -401,7 +409,7 @@ def _dq_kernel(order_ref, ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_r
     dq = lax.fori_loop(n_full, steps, functools.partial(step, masked=True), dq)
     q_smem[...] = (dq * d.scale).astype(d.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[batch, pl.ds(q0, ROWS), head])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
