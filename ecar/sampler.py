@@ -85,7 +85,7 @@ class _Sampler:
     cls2 = self.model.apply(v, jnp.concatenate([labels, jnp.full_like(labels, cfg.num_classes)]),
                             method=ECAR.class_embedding)
     head_dim = cfg.ar_width // cfg.ar_heads
-    kvs = [KVCache.create(2 * b, cfg.num_tokens, cfg.ar_heads, head_dim, cfg.dtype) for _ in range(cfg.ar_depth)]
+    kvs = KVCache.create_many(cfg.ar_depth, 2 * b, cfg.num_tokens, cfg.ar_heads, head_dim, cfg.dtype)
     state = self.policy.init_state(cfg, 2 * b)
     key, k_init = jax.random.split(key)
     x = jax.random.normal(k_init, (b, cfg.stage_sizes[0], cfg.stage_sizes[0], cfg.data_channels), jnp.float32)

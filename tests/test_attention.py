@@ -265,6 +265,22 @@ def test_kv_cache_is_a_pytree_with_static_length():
   assert again.length == 2
 
 
+def test_kv_cache_create_many_gives_independent_zero_caches():
+  @jax.jit
+  def fill(k):
+    caches = KVCache.create_many(3, 2, 5, 2, 4, jnp.bfloat16)
+    return [c.append(k * (i + 1), -k) for i, c in enumerate(caches)]
+
+  caches = fill(jnp.ones((2, 2, 2, 4), jnp.float32))
+  assert len(caches) == 3
+  for i, c in enumerate(caches):
+    assert c.k.shape == c.v.shape == (2, 5, 2, 4) and c.k.dtype == jnp.bfloat16 and c.length == 2
+    np.testing.assert_array_equal(np.asarray(c.keys(), np.float32), i + 1.0)
+    np.testing.assert_array_equal(np.asarray(c.values(), np.float32), -1.0)
+    np.testing.assert_array_equal(np.asarray(c.k[:, 2:], np.float32), 0.0)
+    np.testing.assert_array_equal(np.asarray(c.v[:, 2:], np.float32), 0.0)
+
+
 def test_kv_cache_casts_appended_values_to_cache_dtype():
   cache = KVCache.create(1, 4, 1, 2, jnp.bfloat16)
   cache = cache.append(jnp.full((1, 3, 1, 2), 1.5, jnp.float32), jnp.full((1, 3, 1, 2), -2.0, jnp.float32))

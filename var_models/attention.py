@@ -169,11 +169,21 @@ class KVCache:
 
   @classmethod
   def create(cls, batch: int, capacity: int, heads: int, head_dim: int, dtype) -> 'KVCache':
+    """One empty cache, zero-filled: k and v [batch, capacity, heads, head_dim]."""
+    return cls.create_many(1, batch, capacity, heads, head_dim, dtype)[0]
+
+  @classmethod
+  def create_many(cls, n: int, batch: int, capacity: int, heads: int, head_dim: int,
+                  dtype) -> list['KVCache']:
+    """n empty caches (one per layer), each as `create` makes it."""
     shape = (batch, capacity, heads, head_dim)
-    # The barrier keeps XLA from folding the zeros and the first append into a pad
-    # kernel, which fills the buffer slower than a copy of zeros (RESULTS.md, VAR d30).
-    k, v = jax.lax.optimization_barrier((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
-    return cls(k, v, 0)
+    # Each buffer is filled from its own zero, which the inner barrier hides from XLA: from
+    # one zero constant, CSE would merge the 2n fills into one buffer and copy it into every
+    # cache (a read and a write per byte). The outer barrier keeps XLA from folding a fill
+    # and the first append into a pad kernel, which writes slower (RESULTS.md, VAR d30).
+    zeros = jax.lax.optimization_barrier(jnp.zeros((2 * n,), dtype))
+    bufs = jax.lax.optimization_barrier([jnp.broadcast_to(zeros[i], shape) for i in range(2 * n)])
+    return [cls(bufs[2 * i], bufs[2 * i + 1], 0) for i in range(n)]
 
   @property
   def capacity(self) -> int:

@@ -129,7 +129,7 @@ class _Sampler:
     cond2 = self.model.apply(vp, jnp.concatenate([labels, jnp.full_like(labels, vc.num_classes)]),
                              method=VAR.cond_embed)
     mods = self.model.apply(vp, cond2, method=VAR.modulations)
-    kvs = [KVCache.create(2 * b, sched.L, vc.num_heads, vc.head_dim, vc.dtype) for _ in range(vc.depth)]
+    kvs = KVCache.create_many(vc.depth, 2 * b, sched.L, vc.num_heads, vc.head_dim, vc.dtype)
     f_hat = jnp.zeros((b, sched.final_hw, sched.final_hw, vc.cvae), jnp.float32)
     state = policy.init_state(sched, 2 * b)
     cached_levels = np.zeros((0,), np.int32)  # scale of each cached key, while no token is pruned
