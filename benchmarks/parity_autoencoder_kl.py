@@ -1,4 +1,4 @@
-"""Parity of var_models.autoencoder_kl with MAR's official KL-16 AutoencoderKL (PyTorch), float32 on CPU.
+"""Parity of var_models.tokenizers.autoencoder_kl with MAR's official KL-16 AutoencoderKL (PyTorch), float32 on CPU.
 
 Builds the official model from the unpacked repo given by --official, gives every
 parameter fresh random values, converts its state dict with
@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from benchmarks.parity_vqvae import Report, nhwc, randomise  # noqa: E402
-from var_models.autoencoder_kl import KL16, AutoencoderKL  # noqa: E402
 from var_models.convert.autoencoder_kl import convert_autoencoder_kl  # noqa: E402
+from var_models.tokenizers.autoencoder_kl import KL16, AutoencoderKL  # noqa: E402
 
 
 def load_official(path: str):

@@ -35,8 +35,8 @@ import torch
 
 from parity_common import rel_err, report
 from var_models.convert.diffloss import convert_diffloss
-from var_models.diffloss import DiffLossConfig, SimpleMLPAdaLN, diffloss_model_fn
-from var_models.gaussian_diffusion import create_diffusion
+from var_models.mar.diffloss import DiffLossConfig, SimpleMLPAdaLN, diffloss_model_fn
+from var_models.mar.gaussian_diffusion import create_diffusion
 
 jax.config.update('jax_default_matmul_precision', 'highest')
 

@@ -1,4 +1,4 @@
-"""Parity of var_models.lpips with the official `lpips` package (net 'vgg', version 0.1), float32 on CPU.
+"""Parity of var_models.tokenizers.lpips with the official `lpips` package (net 'vgg', version 0.1), float32 on CPU.
 
   /work/venvs/torch/bin/pip install lpips --no-deps
   PYTHONPATH=. /work/venvs/torch/bin/python benchmarks/parity_lpips.py
@@ -26,7 +26,7 @@ import torch
 
 from parity_common import rel_err, report
 from var_models.convert.lpips import convert_lpips
-from var_models.lpips import LPIPS
+from var_models.tokenizers.lpips import LPIPS
 
 jax.config.update('jax_default_matmul_precision', 'highest')
 

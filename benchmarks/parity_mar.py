@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from parity_common import randomize_, rel_err, report
-from var_models import mar
 from var_models.convert.mar import convert_mar
-from var_models.mar import MAR
+from var_models.mar import model as mar
+from var_models.mar.model import MAR
 
 jax.config.update('jax_default_matmul_precision', 'highest')
 

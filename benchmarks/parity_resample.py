@@ -1,4 +1,4 @@
-"""Parity of var_models.resample.resize with torch.nn.functional.interpolate.
+"""Parity of var_models.nn.resample.resize with torch.nn.functional.interpolate.
 
 Runs every case in float32 on random inputs, prints the max abs error per case
 and fails (exit 1) if any exceeds the tolerance.
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from var_models.resample import resize  # noqa: E402
+from var_models.nn.resample import resize  # noqa: E402
 
 # (method, (h_in, w_in), (h_out, w_out))
 CASES = (

@@ -31,8 +31,8 @@ import torch
 from parity_common import randomize_, rel_err, report
 from var_models.convert.var import convert_var
 from var_models.convert.vqvae import convert_vqvae
-from var_models.var import VAR, VARConfig
-from var_models.vqvae import VQVAE, VQVAEConfig
+from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig
+from var_models.var.model import VAR, VARConfig
 
 jax.config.update('jax_default_matmul_precision', 'highest')
 
@@ -97,7 +97,7 @@ def official_greedy(var, labels, guidance: float):
 
 
 def check_sampling(var, var_params, vq_params, var_cfg, vq_cfg, labels, guidance: float) -> dict:
-  from var_models.var_sampler import make_sampler   # pylint: disable=import-outside-toplevel
+  from var_models.var.sampler import make_sampler   # pylint: disable=import-outside-toplevel
   want_idx, want_logits, want_img = official_greedy(var, labels, guidance)
   sample = make_sampler(var_cfg, vq_cfg, return_logits=True)
   img, aux = sample({'var': var_params, 'vqvae': vq_params}, jax.random.key(0), labels,

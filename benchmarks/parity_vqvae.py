@@ -1,4 +1,4 @@
-"""Parity of var_models.vqvae with the official VAR VQVAE (PyTorch), float32 on CPU.
+"""Parity of var_models.tokenizers.vqvae with the official VAR VQVAE (PyTorch), float32 on CPU.
 
 Builds the official model from the unpacked repo given by --official, gives every
 parameter fresh random values, converts its state dict with
@@ -25,7 +25,7 @@ import torch.distributed as tdist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from var_models.convert.vqvae import convert_vqvae  # noqa: E402
-from var_models.vqvae import VQVAE, VQVAEConfig  # noqa: E402
+from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig  # noqa: E402
 from parity_common import rel_err  # noqa: E402
 
 

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from var_models.var import VARConfig
-from var_models.var_sampler import make_sampler
-from var_models.vqvae import VQVAE, VQVAEConfig
+from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig
+from var_models.var.model import VARConfig
+from var_models.var.sampler import make_sampler
 from timing import entry_op_counts, print_top_device_ops, time_compiled, xla_variants
 from train.models import init_var_params
 

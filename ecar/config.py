@@ -11,8 +11,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from ecar.flow import StageFlow, stage_flow
-from var_models import attention as attn_lib
-from var_models.autoencoder_kl import SDXL_F8C4, AutoencoderKLConfig
+from var_models.nn import attention as attn_lib
+from var_models.tokenizers.autoencoder_kl import SDXL_F8C4, AutoencoderKLConfig
 
 LATENT_SPACES = ('vae', 'pixel')
 TIME_WINDOWS = ('uniform', 'flow_length')

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from var_models.resample import area_resize, nearest_resize
+from var_models.nn.resample import area_resize, nearest_resize
 
 Array = jax.Array
 TIME_SCALE = 1000.0  # tau in [0, 1] -> the timestep fed to the sinusoidal embedding

@@ -4,8 +4,8 @@ from __future__ import annotations
 from ecar.config import ECARConfig, ECARConfigError
 from ecar.loss import check_gradnorm_layer
 from ecar.model import abstract_params
-from var_models.autoencoder_kl import AutoencoderKLConfig
-from var_models.config_checks import check_attn_backend, compute_dtype
+from var_models.nn.checks import check_attn_backend, compute_dtype
+from var_models.tokenizers.autoencoder_kl import AutoencoderKLConfig
 
 # ECARConfig field -> configs/ecar.py key.
 CONFIG_KEYS = {

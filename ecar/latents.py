@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from ecar.config import ECARConfig
-from var_models.autoencoder_kl import AutoencoderKL, sample_posterior
+from var_models.tokenizers.autoencoder_kl import AutoencoderKL, sample_posterior
 
 Array = jax.Array
 

@@ -1,6 +1,6 @@
 """E-CAR's denoiser layers: the DiT block whose adaLN modulation varies per token, its final
 layer, and patch (un)folding. The AR's block is the shared timm ViT block
-(`var_models.vit.Block`), whose attention appends to and reads a `KVCache`."""
+(`var_models.nn.vit.Block`), whose attention appends to and reads a `KVCache`."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,8 +9,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from var_models.blocks import FFN, layer_norm, modulate
-from var_models.vit import Attention, xavier_uniform
+from var_models.nn.blocks import FFN, layer_norm, modulate
+from var_models.nn.vit import Attention, xavier_uniform
 
 Array = jax.Array
 _zeros = nn.initializers.zeros

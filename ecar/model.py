@@ -45,10 +45,10 @@ import numpy as np
 from ecar.config import ECARConfig
 from ecar.flow import up2
 from ecar.layers import DiTBlock, FinalLayer, patchify, unpatchify
-from var_models import attention as attn_lib
-from var_models.blocks import BlockHooks
-from var_models.diffloss import TimestepEmbedder
-from var_models.vit import Block, torch_layer_norm, xavier_uniform
+from var_models.mar.diffloss import TimestepEmbedder
+from var_models.nn import attention as attn_lib
+from var_models.nn.blocks import BlockHooks
+from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
 
 Array = jax.Array
 _embed_init = nn.initializers.normal(0.02)

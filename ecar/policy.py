@@ -1,4 +1,4 @@
-"""Sampling policies of E-CAR (DESIGN.md contract 4): what the sampler forwards at each AR stage
+"""Sampling policies of E-CAR (docs/design.md, contract 4): what the sampler forwards at each AR stage
 and how each flow step applies classifier-free guidance.
 
 The sampler asks its policy, at every stage s:
@@ -24,8 +24,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from var_models import tokens as tok
-from var_models.blocks import BlockHooks
+from var_models.nn import tokens as tok
+from var_models.nn.blocks import BlockHooks
 
 Array = jax.Array
 

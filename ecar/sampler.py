@@ -30,10 +30,10 @@ from ecar.config import ECARConfig
 from ecar.latents import decode
 from ecar.model import ECAR
 from ecar.policy import BASELINE, Denoise, StagePolicy
-from var_models import tokens as tok
-from var_models.attention import KVCache
-from var_models.blocks import dense_params_in
-from var_models.labels import check_labels
+from var_models.nn import tokens as tok
+from var_models.nn.attention import KVCache
+from var_models.nn.blocks import dense_params_in
+from var_models.nn.checks import check_labels
 
 Array = jax.Array
 

@@ -5,7 +5,7 @@ w [K, N], b [N]. On a Hopper GPU ('auto') the Mosaic GPU kernel of
 `dense_gelu_mgpu` computes it without writing the pre-activation; elsewhere, and
 for shapes that kernel does not take, XLA computes the reference (the GEMM, then
 the bias and the GELU in x's dtype, exactly as flax's Dense + jax.nn.gelu).
-`var_models.blocks.FFN` calls it at inference; NOTES.md has the measurements.
+`var_models.nn.blocks.FFN` calls it at inference; NOTES.md has the measurements.
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from var_models.var import VARConfig, init_params
-from var_models.vqvae import VQVAE, VQVAEConfig
+from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig
+from var_models.var.model import VARConfig, init_params
 
 TINY_PATCH_NUMS = (1, 2, 3, 4)
 

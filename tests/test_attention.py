@@ -1,12 +1,12 @@
-"""var_models.attention against a float64 NumPy softmax reference, and the KV cache."""
+"""var_models.nn.attention against a float64 NumPy softmax reference, and the KV cache."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from var_models import attention as attn_mod
-from var_models.attention import KVCache, ScaleCausal, TokenMask, attention
-from var_models.schedules import ScaleSchedule
+from var_models.nn import attention as attn_mod
+from var_models.nn.attention import KVCache, ScaleCausal, TokenMask, attention
+from var_models.var.schedules import ScaleSchedule
 
 RTOL = 1e-5
 ATOL = 1e-5

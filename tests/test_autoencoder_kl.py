@@ -12,9 +12,9 @@ import pytest
 from conv_state_dicts import conv, encoder_decoder
 from state_dict_edits import edit as edit_state_dict
 
-from var_models.autoencoder_kl import KL16, SDXL_F8C4, AutoencoderKL, AutoencoderKLConfig, param_count
-from var_models.conv_vae import AttnBlock
 from var_models.convert.autoencoder_kl import convert_autoencoder_kl
+from var_models.tokenizers.autoencoder_kl import KL16, SDXL_F8C4, AutoencoderKL, AutoencoderKLConfig, param_count
+from var_models.tokenizers.conv_vae import AttnBlock
 
 # z_channels != embed_dim so a swapped quant_conv / post_quant_conv shape cannot pass.
 CFG = AutoencoderKLConfig(embed_dim=3, z_channels=4, ch=32, ch_mult=(1, 2), num_res_blocks=1,

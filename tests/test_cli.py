@@ -16,8 +16,8 @@ from var_models import checkpoint
 from var_models.convert.__main__ import convert_var_files, main as convert_main
 from var_models.convert.var import convert_var
 from var_models.convert.vqvae import convert_vqvae
-from var_models.var import VARConfig
-from var_models.vqvae import VQVAEConfig
+from var_models.tokenizers.vqvae import VQVAEConfig
+from var_models.var.model import VARConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNS = (1, 2, 3, 4)

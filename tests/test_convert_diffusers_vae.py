@@ -12,10 +12,10 @@ from conv_state_dicts import conv, norm, resnet
 from state_dict_edits import edit as edit_state_dict, edited
 
 from var_models import checkpoint
-from var_models.autoencoder_kl import SDXL_F8C4, AutoencoderKLConfig
 from var_models.convert.__main__ import main as convert_main
 from var_models.convert.autoencoder_kl import convert_autoencoder_kl
 from var_models.convert.diffusers_vae import convert_diffusers_vae
+from var_models.tokenizers.autoencoder_kl import SDXL_F8C4, AutoencoderKLConfig
 
 # The SDXL VAE's layout (mid-block attention only) at toy widths; z_channels != embed_dim.
 CFG = dataclasses.replace(SDXL_F8C4, embed_dim=3, z_channels=4, ch=32, ch_mult=(1, 2, 2), num_res_blocks=1)

@@ -8,7 +8,7 @@ import pytest
 
 from pallas_kernels import dense_gelu
 from pallas_kernels.dispatch import is_hopper
-from var_models.blocks import FFN
+from var_models.nn.blocks import FFN
 
 
 def _inputs(seed, m, k, n, dtype):

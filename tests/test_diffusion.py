@@ -10,9 +10,9 @@ import pytest
 
 from var_models.convert.common import StateDictReader
 from var_models.convert.diffloss import convert_diffloss
-from var_models.diffloss import (DiffLossConfig, SimpleMLPAdaLN, diffloss_loss, diffloss_sample, init_diffloss,
+from var_models.mar.diffloss import (DiffLossConfig, SimpleMLPAdaLN, diffloss_loss, diffloss_sample, init_diffloss,
                                  merged_adaln)
-from var_models.gaussian_diffusion import create_diffusion, space_timesteps
+from var_models.mar.gaussian_diffusion import create_diffusion, space_timesteps
 
 T = 1000
 

@@ -14,7 +14,7 @@ from train.tasks import make_task
 from var_models import checkpoint
 from var_models.convert.__main__ import main as convert_main
 from var_models.convert.lpips import convert_lpips, vgg16_convs
-from var_models.lpips import LPIPS, TAP_CHANNELS, VGG16Features
+from var_models.tokenizers.lpips import LPIPS, TAP_CHANNELS, VGG16Features
 
 # The conv layers' positions in torchvision's vgg16().features (ReLUs and max pools between them).
 TORCHVISION_VGG16_CONVS = (0, 2, 5, 7, 10, 12, 14, 17, 19, 21, 24, 26, 28)

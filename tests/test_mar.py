@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from state_dict_edits import edited
 
-from var_models import mar
 from var_models.convert.mar import convert_mar
-from var_models.mar import MAR, keep_indices, random_mask
-from var_models.var import param_count
-from var_models.vit import Block
+from var_models.mar import model as mar
+from var_models.mar.model import MAR, keep_indices, random_mask
+from var_models.nn.vit import Block
+from var_models.var.model import param_count
 
 # Counted on the official torch models (models/mar.py mar_base/large/huge, DiffLoss
 # depth x width 6 x 1024, 8 x 1280, 12 x 1536), DiffLoss included.

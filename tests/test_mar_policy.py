@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from var_models import tokens as tok
-from var_models.blocks import BlockHooks
-from var_models.mar_policy import IterPlan, MARPolicy
-from var_models.mar_sampler import make_mar_sampler
+from var_models.mar.policy import IterPlan, MARPolicy
+from var_models.mar.sampler import make_mar_sampler
+from var_models.nn import tokens as tok
+from var_models.nn.blocks import BlockHooks
 from test_mar_sampler import LABELS, MAR_CFG, VAE_CFG, _params
 
 NUM_ITER = 4

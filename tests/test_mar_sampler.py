@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from var_models import mar as mar_lib
-from var_models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
-from var_models.diffloss import diffloss_sample
-from var_models.gaussian_diffusion import create_diffusion
-from var_models.mar import MAR, diffloss_net, keep_indices
-from var_models.mar_sampler import make_mar_sampler, mask_schedule
+from var_models.mar import model as mar_lib
+from var_models.mar.diffloss import diffloss_sample
+from var_models.mar.gaussian_diffusion import create_diffusion
+from var_models.mar.model import MAR, diffloss_net, keep_indices
+from var_models.mar.sampler import make_mar_sampler, mask_schedule
+from var_models.tokenizers.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
 
 MAR_CFG = mar_lib.tiny()
 VAE_CFG = AutoencoderKLConfig(embed_dim=4, z_channels=4, ch=32, ch_mult=(1, 2, 2, 2), num_res_blocks=1)

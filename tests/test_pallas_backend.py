@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from var_models.attention import ScaleCausal, TokenMask, attention
-from var_models.schedules import ScaleSchedule
+from var_models.nn.attention import ScaleCausal, TokenMask, attention
+from var_models.var.schedules import ScaleSchedule
 
 SCHED = ScaleSchedule((1, 2, 3, 5))   # L = 39: not a multiple of the 64-token tile
 LEVELS = SCHED.level_ids()

@@ -1,4 +1,4 @@
-"""var_models.resample against independent float64 NumPy references of PyTorch's kernels.
+"""var_models.nn.resample against independent float64 NumPy references of PyTorch's kernels.
 
 The references below are written from PyTorch's documented semantics, computing
 each output pixel directly from its 2-D neighbourhood; they do not reuse the
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from var_models import resample
+from var_models.nn import resample
 
 RTOL = 2e-6
 ATOL = 2e-6

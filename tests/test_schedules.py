@@ -1,9 +1,9 @@
-"""var_models.schedules: token counts, offsets, level ids, validation."""
+"""var_models.var.schedules: token counts, offsets, level ids, validation."""
 import numpy as np
 import pytest
 
-from var_models import schedules
-from var_models.schedules import INFINITY_1024, VAR_256, VAR_512, ScaleSchedule, get_schedule
+from var_models.var import schedules
+from var_models.var.schedules import INFINITY_1024, VAR_256, VAR_512, ScaleSchedule, get_schedule
 
 
 @pytest.mark.parametrize('sched,L,n', [(VAR_256, 680, 10), (VAR_512, 2240, 10), (INFINITY_1024, 10521, 13)])

@@ -11,7 +11,7 @@ import pytest
 from state_dict_edits import edited
 
 from var_models.convert.var import convert_var, infer_var_depth
-from var_models.var import VAR, VARConfig, cross_entropy, init_params, loss_fn, param_count
+from var_models.var.model import VAR, VARConfig, cross_entropy, init_params, loss_fn, param_count
 
 # Counted on the official torch model (models/var.py, built as build_vae_var does).
 OFFICIAL_PARAMS = {16: 310_283_520, 20: 600_917_136, 24: 1_033_399_360, 30: 2_010_020_356}

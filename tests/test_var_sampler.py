@@ -4,11 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from var_models.blocks import BlockHooks
-from var_models.policy import ScalePolicy, Step
-from var_models.var import VAR
-from var_models.var_sampler import make_sampler, sample_top_k_top_p
-from var_models.vqvae import VQVAE
+from var_models.nn.blocks import BlockHooks
+from var_models.tokenizers.vqvae import VQVAE
+from var_models.var.model import VAR
+from var_models.var.policy import ScalePolicy, Step
+from var_models.var.sampler import make_sampler, sample_top_k_top_p
 
 LABELS = np.array([1, 7, 3], np.int32)
 

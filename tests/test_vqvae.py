@@ -13,8 +13,8 @@ from conv_state_dicts import conv, encoder_decoder
 from state_dict_edits import edit as edit_state_dict
 
 from var_models.convert.vqvae import convert_vqvae
-from var_models.resample import area_matrix, bicubic_matrix
-from var_models.vqvae import VQVAE, VQVAEConfig, phi_index
+from var_models.nn.resample import area_matrix, bicubic_matrix
+from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig, phi_index
 
 CFG = VQVAEConfig(vocab_size=64, z_channels=8, ch=32, ch_mult=(1, 2), num_res_blocks=1,
                   patch_nums=(1, 2, 3, 4))

@@ -14,10 +14,10 @@ from configs import var as var_configs
 from train import models
 from train.tasks import make_task, random_stand_in
 from var_models import checkpoint
-from var_models.lpips import LPIPS
-from var_models.patch_discriminator import (BatchStatNorm, PatchDiscriminator, discriminator_hinge_loss,
+from var_models.tokenizers.lpips import LPIPS
+from var_models.tokenizers.patch_discriminator import (BatchStatNorm, PatchDiscriminator, discriminator_hinge_loss,
                                             generator_loss, patch_grid)
-from var_models.vqvae import VQVAE
+from var_models.tokenizers.vqvae import VQVAE
 
 KEY = jax.random.key(2)
 TERMS = ('base', 'generator', 'hinge')

@@ -9,15 +9,15 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from var_models import checkpoint
-from var_models import config_checks
-from var_models import mar as mar_lib
-from var_models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
-from var_models.var import VARConfig, init_params
-from var_models.vqvae import VQVAE, VQVAEConfig
+from var_models.mar import model as mar_lib
+from var_models.nn import checks
+from var_models.tokenizers.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
+from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig
+from var_models.var.model import VARConfig, init_params
 
 def compute_dtype(config) -> Any:
   """config.dtype of a family config -> the jnp dtype."""
-  return config_checks.compute_dtype(config.dtype)
+  return checks.compute_dtype(config.dtype)
 
 
 def vqvae_config(config) -> VQVAEConfig:
@@ -39,7 +39,7 @@ def vqvae_config(config) -> VQVAEConfig:
 
 def var_configs(config) -> tuple[VARConfig, VQVAEConfig]:
   """(VARConfig, VQVAEConfig) from a configs/var.py config; errors name the config key."""
-  config_checks.check_attn_backend(config.attn_backend)
+  checks.check_attn_backend(config.attn_backend)
   vq_cfg = vqvae_config(config)
   m = config.model
   try:
@@ -70,7 +70,7 @@ def load_var_params(var_cfg: VARConfig, vq_cfg: VQVAEConfig, directory: Optional
 def mar_configs(config) -> tuple[mar_lib.MARConfig, AutoencoderKLConfig]:
   """(MARConfig, AutoencoderKLConfig) from a configs/mar.py config; errors name the config key."""
   dtype = compute_dtype(config)
-  config_checks.check_attn_backend(config.attn_backend)
+  checks.check_attn_backend(config.attn_backend)
   try:
     vae_cfg = AutoencoderKLConfig(**{**config.vae.to_dict(), 'ch_mult': tuple(config.vae.ch_mult)},
                                   dtype=dtype)

@@ -20,9 +20,9 @@ import jax
 
 from train import grid as grid_lib
 from train import models
-from var_models.labels import check_labels
-from var_models.mar_sampler import check_mar_sample_args, make_mar_sampler
-from var_models.var_sampler import check_sample_args, make_sampler
+from var_models.mar.sampler import check_mar_sample_args, make_mar_sampler
+from var_models.nn.checks import check_labels
+from var_models.var.sampler import check_sample_args, make_sampler
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/{var,mar}.py:VARIANT', lock_config=True)
 _CKPT = flags.DEFINE_string('ckpt', None, 'checkpoint directory (from `python -m var_models.convert`)')

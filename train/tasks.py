@@ -27,14 +27,14 @@ from absl import logging
 
 from train import models
 from train.validate import check_vqvae_loss
-from var_models import lpips as lpips_lib
-from var_models import mar as mar_lib
-from var_models import var as var_lib
-from var_models.autoencoder_kl import AutoencoderKL, sample_posterior
-from var_models.mar_sampler import check_mar_sample_args, make_mar_sampler
-from var_models.patch_discriminator import PatchDiscriminator, discriminator_hinge_loss, generator_loss
-from var_models.var_sampler import check_sample_args, make_sampler
-from var_models.vqvae import VQVAE
+from var_models.mar import model as mar_lib
+from var_models.mar.sampler import check_mar_sample_args, make_mar_sampler
+from var_models.tokenizers import lpips as lpips_lib
+from var_models.tokenizers.autoencoder_kl import AutoencoderKL, sample_posterior
+from var_models.tokenizers.patch_discriminator import PatchDiscriminator, discriminator_hinge_loss, generator_loss
+from var_models.tokenizers.vqvae import VQVAE
+from var_models.var import model as var_lib
+from var_models.var.sampler import check_sample_args, make_sampler
 
 Array = jax.Array
 

@@ -5,8 +5,8 @@ import math
 
 from train.data.transforms import CROPS
 from train.optimizer import SCHEDULES
-from var_models.lpips import MIN_SIZE as LPIPS_MIN_SIZE
-from var_models.patch_discriminator import patch_grid
+from var_models.tokenizers.lpips import MIN_SIZE as LPIPS_MIN_SIZE
+from var_models.tokenizers.patch_discriminator import patch_grid
 
 SOURCES = ('synthetic', 'folder', 'imagenet')
 

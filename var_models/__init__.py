@@ -1,24 +1,19 @@
-"""Shared blocks, tokenizers and next-scale models (VAR), their samplers and converters.
+"""The models of the project below E-CAR, one subpackage per responsibility:
 
-Public API:
-  attention.attention, KVCache, ScaleCausal, TokenMask, register_backend -- the attention entry point
-  resize, area_resize, bicubic_resize, nearest_resize            -- PyTorch-exact resampling
-  ScaleSchedule, VAR_256, VAR_512, INFINITY_1024, get_schedule   -- scale schedules
-  VQVAE, VQVAEConfig                                             -- VAR's multi-scale residual VQVAE
-  VAR, VARConfig, init_params, loss_fn                           -- the VAR transformer
-  make_sampler, ScalePolicy, Step, BlockHooks                    -- the sampler and its policy hooks
-  MARPolicy, IterPlan                                            -- MAR's sampling policy hooks
-  save_params, load_params                                       -- checkpoints on disk
-Converters from the official checkpoints live in `var_models.convert`.
+  nn/          shared layers: attention entry point + KV cache, blocks and BlockHooks, ViT block,
+               resampling, token gather/scatter, shared checks          (imports pallas_kernels)
+  tokenizers/  VQVAE, KL autoencoders, conv encoder/decoder, LPIPS, PatchGAN (imports nn)
+  var/         VAR: model, scale schedules, sampler, ScalePolicy        (imports nn, tokenizers)
+  mar/         MAR: model, DiffLoss head, diffusion, sampler, MARPolicy (imports nn, tokenizers)
+  convert/     official PyTorch checkpoints -> our params               (imports the above)
+  checkpoint.py, flop_count.py: params on disk and jaxpr FLOP counting, which import nothing here.
+
+This face re-exports the names most users need; nothing inside the package imports it.
 """
-from var_models import attention
-from var_models.attention import KVCache, ScaleCausal, TokenMask, register_backend
-from var_models.blocks import BlockHooks
 from var_models.checkpoint import load_params, save_params
-from var_models.mar_policy import IterPlan, MARPolicy
-from var_models.policy import ScalePolicy, Step
-from var_models.resample import area_resize, bicubic_resize, nearest_resize, resize
-from var_models.schedules import INFINITY_1024, VAR_256, VAR_512, ScaleSchedule, get_schedule
-from var_models.var import VAR, VARConfig, init_params, loss_fn
-from var_models.var_sampler import make_sampler
-from var_models.vqvae import VQVAE, VQVAEConfig
+from var_models.mar import IterPlan, MARPolicy, make_mar_sampler
+from var_models.nn import (BlockHooks, KVCache, ScaleCausal, TokenMask, area_resize, attention,
+                           bicubic_resize, nearest_resize, register_backend, resize)
+from var_models.tokenizers import VQVAE, VQVAEConfig
+from var_models.var import (INFINITY_1024, VAR, VAR_256, VAR_512, ScalePolicy, ScaleSchedule,
+                            Step, VARConfig, get_schedule, init_params, loss_fn, make_sampler)

@@ -1,4 +1,5 @@
-"""Official PyTorch checkpoints -> our params.
+"""Official PyTorch checkpoints -> our params: one module per model family, and the CLI.
+Imports the model subpackages of `var_models` (nn, tokenizers, var, mar) and `checkpoint`.
 
 API (dicts of NumPy arrays keyed by the official names, no PyTorch needed):
   convert_vqvae(state_dict, VQVAEConfig) -> VQVAE params

@@ -7,8 +7,6 @@ import sys
 import numpy as np
 
 from var_models import checkpoint
-from var_models import mar as mar_lib
-from var_models.autoencoder_kl import KL16, SDXL_F8C4
 from var_models.convert.autoencoder_kl import convert_autoencoder_kl
 from var_models.convert.common import strip_prefix
 from var_models.convert.diffusers_vae import convert_diffusers_vae
@@ -16,8 +14,10 @@ from var_models.convert.lpips import convert_lpips
 from var_models.convert.mar import convert_mar
 from var_models.convert.var import convert_var, infer_var_depth
 from var_models.convert.vqvae import convert_vqvae
-from var_models.var import VARConfig
-from var_models.vqvae import VQVAEConfig
+from var_models.mar import model as mar_lib
+from var_models.tokenizers.autoencoder_kl import KL16, SDXL_F8C4
+from var_models.tokenizers.vqvae import VQVAEConfig
+from var_models.var.model import VARConfig
 
 MAR_SIZES = {'base': mar_lib.base, 'large': mar_lib.large, 'huge': mar_lib.huge}
 _WRAPPERS = ('state_dict', 'model', 'trainer')

@@ -9,9 +9,9 @@ from typing import Mapping
 
 import numpy as np
 
-from var_models.autoencoder_kl import AutoencoderKLConfig
 from var_models.convert.common import StateDictReader
 from var_models.convert.vqvae import conv_decoder, conv_encoder
+from var_models.tokenizers.autoencoder_kl import AutoencoderKLConfig
 
 # LDM training checkpoints carry the loss modules (LPIPS, discriminator) under 'loss.';
 # the official loader drops them (load_state_dict(strict=False) leaves them unexpected).

@@ -22,8 +22,8 @@ from typing import Mapping
 
 import numpy as np
 
-from var_models.autoencoder_kl import AutoencoderKLConfig
 from var_models.convert.autoencoder_kl import convert_autoencoder_kl
+from var_models.tokenizers.autoencoder_kl import AutoencoderKLConfig
 
 _ATTN = {'group_norm': 'norm', 'to_q': 'q', 'to_k': 'k', 'to_v': 'v', 'to_out.0': 'proj_out',
          'query': 'q', 'key': 'k', 'value': 'v', 'proj_attn': 'proj_out'}

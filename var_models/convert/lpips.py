@@ -13,7 +13,7 @@ from typing import Mapping
 import numpy as np
 
 from var_models.convert.common import StateDictReader
-from var_models.lpips import TAP_CHANNELS, VGG16_BLOCKS
+from var_models.tokenizers.lpips import TAP_CHANNELS, VGG16_BLOCKS
 
 
 def vgg16_convs() -> list[tuple[str, int, int, int]]:

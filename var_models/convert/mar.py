@@ -14,7 +14,7 @@ import numpy as np
 
 from var_models.convert.common import StateDictReader, strip_prefix
 from var_models.convert.diffloss import convert_diffloss
-from var_models.mar import MARConfig
+from var_models.mar.model import MARConfig
 
 
 def convert_vit_block(r: StateDictReader, prefix: str, width: int, hidden: int) -> dict:

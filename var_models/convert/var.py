@@ -12,7 +12,7 @@ from typing import Mapping
 import numpy as np
 
 from var_models.convert.common import StateDictReader, strip_prefix
-from var_models.var import VARConfig
+from var_models.var.model import VARConfig
 
 _BLOCK_KEY = re.compile(r'blocks\.(\d+)\.')
 

@@ -10,7 +10,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from var_models.convert.common import StateDictReader
-from var_models.vqvae import VQVAEConfig
+from var_models.tokenizers.vqvae import VQVAEConfig
 
 AttnReader = Callable[[StateDictReader, str, int], dict]
 IGNORED = ('quantize.ema_vocab_hit_SV',)  # usage statistics buffer, not a parameter

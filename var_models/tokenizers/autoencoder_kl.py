@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from var_models.conv_vae import Decoder, Encoder
+from var_models.tokenizers.conv_vae import Decoder, Encoder
 
 LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0
 

@@ -22,9 +22,9 @@ from typing import Any, Optional, Sequence
 import jax
 import numpy as np
 
-from var_models import attention as attn_lib
-from var_models.blocks import BlockHooks
-from var_models.schedules import ScaleSchedule
+from var_models.nn import attention as attn_lib
+from var_models.nn.blocks import BlockHooks
+from var_models.var.schedules import ScaleSchedule
 
 
 @dataclasses.dataclass(frozen=True)

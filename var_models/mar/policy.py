@@ -25,7 +25,7 @@ from typing import Any, Hashable, Optional, Sequence
 
 import jax
 
-from var_models.blocks import BlockHooks
+from var_models.nn.blocks import BlockHooks
 
 Array = jax.Array
 

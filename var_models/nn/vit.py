@@ -15,8 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from var_models import attention as attn_lib
-from var_models.blocks import BlockHooks, residual
+from var_models.nn import attention as attn_lib
+from var_models.nn.blocks import BlockHooks, residual
 
 Array = jax.Array
 

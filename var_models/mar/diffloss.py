@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from var_models.gaussian_diffusion import GaussianDiffusion, SampleModelFn, create_diffusion
+from var_models.mar.gaussian_diffusion import GaussianDiffusion, SampleModelFn, create_diffusion
 
 Array = jax.Array
 FREQ_DIM = 256  # sinusoidal timestep features fed to time_embed/mlp_0

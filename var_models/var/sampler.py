@@ -19,13 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from var_models import tokens as tok
-from var_models.attention import KVCache
-from var_models.labels import check_labels
-from var_models.policy import BASELINE, ScalePolicy, Step, check_plan
-from var_models.resample import area_resize
-from var_models.var import VAR, VARConfig
-from var_models.vqvae import VQVAE, VQVAEConfig
+from var_models.nn import tokens as tok
+from var_models.nn.attention import KVCache
+from var_models.nn.checks import check_labels
+from var_models.nn.resample import area_resize
+from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig
+from var_models.var.model import VAR, VARConfig
+from var_models.var.policy import BASELINE, ScalePolicy, Step, check_plan
 
 Array = jax.Array
 

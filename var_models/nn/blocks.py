@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallas_kernels as pk
-from var_models import attention as attn_lib
-from var_models import tokens as tok
+from var_models.nn import attention as attn_lib
+from var_models.nn import tokens as tok
 
 Array = jax.Array
 
@@ -245,7 +245,7 @@ class AdaLNBeforeHead(nn.Module):
 
 
 class BlockHooks:
-  """Per-block policy hooks (see var_models.policy). The base forwards everything."""
+  """Per-block policy hooks (see var_models.var.policy). The base forwards everything."""
 
   def select(self, site: str, x: Array, state: Any):
     """Indices [B, k] of the tokens of x [B, l, C] to forward before `site`, or None."""

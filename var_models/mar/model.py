@@ -24,10 +24,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from var_models import attention as attn_lib
-from var_models import tokens as tok
-from var_models.diffloss import DiffLossConfig, SimpleMLPAdaLN, diffloss_loss, init_diffloss
-from var_models.vit import Block, torch_layer_norm, xavier_uniform
+from var_models.mar.diffloss import DiffLossConfig, SimpleMLPAdaLN, diffloss_loss, init_diffloss
+from var_models.nn import attention as attn_lib
+from var_models.nn import tokens as tok
+from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
 
 Array = jax.Array
 

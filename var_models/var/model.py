@@ -2,7 +2,7 @@
 
 Teacher-forced training: `VAR.apply(v, labels, x_tf)` -> logits [B, L, V] with the
 scale-causal mask. Sampling uses the step methods (`cond_embed`, `first_tokens`,
-`embed_tokens`, `run_blocks`, `logits`) from `var_models.var_sampler`.
+`embed_tokens`, `run_blocks`, `logits`) from `var_models.var.sampler`.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from var_models import attention as attn_lib
-from var_models.blocks import AdaLNBeforeHead, AdaLNSelfAttn, BlockHooks, scaled, trunc_normal
-from var_models.schedules import ScaleSchedule, VAR_256
+from var_models.nn import attention as attn_lib
+from var_models.nn.blocks import AdaLNBeforeHead, AdaLNSelfAttn, BlockHooks, scaled, trunc_normal
+from var_models.var.schedules import ScaleSchedule, VAR_256
 
 Array = jax.Array
 

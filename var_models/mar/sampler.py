@@ -18,7 +18,7 @@ With guidance the batch is doubled ([cond; uncond(fake class)]), both halves
 share the diffusion noise, eps = eps_u + s * (eps_c - eps_u), and s is 'linear'
 (1 + (cfg - 1) * (N - mask_len) / N) or 'constant'.
 
-A `policy` (`var_models.mar_policy.MARPolicy`; LazyMAR is one) chooses per
+A `policy` (`var_models.mar.policy.MARPolicy`; LazyMAR is one) chooses per
 iteration which tokens each encoder and decoder block forwards, what they attend
 to and restore from its caches, and whether the unconditional half runs; the
 iterations run as one scan per segment of equal static plans.
@@ -34,13 +34,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from var_models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
-from var_models.blocks import dense_params_in
-from var_models.diffloss import diffloss_sample
-from var_models.gaussian_diffusion import create_diffusion
-from var_models.labels import check_labels
-from var_models.mar import MAR, MARConfig, diffloss_net, key_mask
-from var_models.mar_policy import BASELINE, IterInfo, IterPlan, MARPolicy, check_plans, segments
+from var_models.mar.diffloss import diffloss_sample
+from var_models.mar.gaussian_diffusion import create_diffusion
+from var_models.mar.model import MAR, MARConfig, diffloss_net, key_mask
+from var_models.mar.policy import BASELINE, IterInfo, IterPlan, MARPolicy, check_plans, segments
+from var_models.nn.blocks import dense_params_in
+from var_models.nn.checks import check_labels
+from var_models.tokenizers.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
 
 Array = jax.Array
 CFG_SCHEDULES = ('linear', 'constant')

@@ -12,8 +12,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from var_models.attention import attention
-from var_models.resample import nearest_resize
+from var_models.nn.attention import attention
+from var_models.nn.resample import nearest_resize
 
 Dtype = Any
 _PAD1 = ((1, 1), (1, 1))

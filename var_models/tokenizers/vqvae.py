@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from var_models.conv_vae import Decoder, Encoder
-from var_models.resample import area_resize, bicubic_resize
+from var_models.nn.resample import area_resize, bicubic_resize
+from var_models.tokenizers.conv_vae import Decoder, Encoder
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
