@@ -3,7 +3,7 @@ layer, and patch (un)folding. The AR's block is the shared timm ViT block
 (`var_models.nn.vit.Block`), whose attention appends to and reads a `KVCache`."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -47,8 +47,11 @@ class DiTBlock(nn.Module):
     self.attn = Attention(w, self.num_heads, backend=self.backend, dtype=self.dtype)
     self.mlp = FFN(w, int(w * self.mlp_ratio), xavier_uniform, xavier_uniform, dtype=self.dtype)
 
-  def __call__(self, x: Array, c: Array) -> Array:
-    shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(self.adaLN_modulation(nn.silu(c)), 6, axis=-1)
+  def __call__(self, x: Array, c: Array, mod: Optional[Array] = None) -> Array:
+    """mod [B, l, 6C]: this block's adaLN output when the caller computed it (`merged_adaln`)."""
+    if mod is None:
+      mod = self.adaLN_modulation(nn.silu(c))
+    shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(mod, 6, axis=-1)
     x = x + gate1 * self.attn(modulate(self.norm(x), scale1, shift1))[0]
     return x + gate2 * self.mlp(modulate(self.norm(x), scale2, shift2))
 
@@ -60,8 +63,18 @@ class FinalLayer(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: Array, c: Array) -> Array:
-    shift, scale = jnp.split(nn.Dense(2 * self.width, kernel_init=_zeros, dtype=self.dtype,
-                                      name='adaLN_modulation')(nn.silu(c)), 2, axis=-1)
+  def __call__(self, x: Array, c: Array, mod: Optional[Array] = None) -> Array:
+    if mod is None:
+      mod = nn.Dense(2 * self.width, kernel_init=_zeros, dtype=self.dtype, name='adaLN_modulation')(nn.silu(c))
+    shift, scale = jnp.split(mod, 2, axis=-1)
     x = modulate(layer_norm(1e-6, self.dtype)(x), scale, shift)
     return nn.Dense(self.out_dim, kernel_init=_zeros, dtype=self.dtype, name='linear')(x)
+
+
+def merged_adaln(params) -> tuple[Array, Array]:
+  """Every DiT block's and the final layer's adaLN Linear of one denoiser, concatenated (they all
+  read the same SiLU(c)): (kernel [w, (6 depth + 2) w], bias). One GEMM per Euler step then
+  replaces depth + 1 small ones; built once outside the flow loop."""
+  depth = sum(1 for k in params if k.startswith('blocks_'))
+  layers = [params[f'blocks_{i}']['adaLN_modulation'] for i in range(depth)] + [params['final']['adaLN_modulation']]
+  return jnp.concatenate([l['kernel'] for l in layers], axis=1), jnp.concatenate([l['bias'] for l in layers])

@@ -8,11 +8,17 @@ The AR sees the class (dropped to the null class with probability
 cond_drop_rate) and the end points of stages 0..S-2; each denoiser predicts
 end - start at x_t. Stage loss L_s = mean squared error over [B, g_s, g_s, D].
 The returned loss is sum_s w_s L_s with the GradNorm weights w held constant, so
-its gradient trains the AR through every stage's r_s. GradNorm's gradient norms
-||grad_W L_s|| are taken on the AR layer `cfg.gradnorm_layer` (default the final
+its gradient trains the AR through every stage's r_s. GradNorm's gradients
+grad_W L_s are taken on the AR layer `cfg.gradnorm_layer` (default the final
 LayerNorm, the last layer every stage shares) by one extra backward pass per
 stage on stop-gradient copies of the params; they feed only the weight update,
 which comes back as the new GradNormState (`train=False` leaves it unchanged).
+
+Under gradient accumulation a train step calls `loss_fn`'s two halves apart:
+`loss_and_stats` on each micro-batch (the loss and GradNorm's statistics L_s and
+grad_W L_s, means over the batch) and `gradnorm_step` once, on the statistics
+averaged over the micro-batches (the full batch's), so the weights move once per
+optimizer step, as in one step on the full batch.
 """
 from __future__ import annotations
 
@@ -68,22 +74,32 @@ def stage_losses(cfg: ECARConfig, params, labels: Array, points: dict) -> Array:
   return jnp.stack([jnp.mean(jnp.square(p - v)) for p, v in zip(pred, points['v'])])
 
 
-def shared_grad_norms(cfg: ECARConfig, params, labels: Array, points: dict) -> Array:
-  """[S] ||grad_W L_s|| on W = the params at cfg.gradnorm_layer; no gradient flows out of it."""
+def shared_grads(cfg: ECARConfig, params, labels: Array, points: dict):
+  """grad_W L_s of every stage: W = the params at cfg.gradnorm_layer, each leaf with a leading [S] axis.
+  No gradient flows out of it."""
   params, labels, points = jax.lax.stop_gradient((params, labels, points))
   path = cfg.gradnorm_layer
   shared = _subtree(params, path)
 
-  def norm(s):
-    g = jax.grad(lambda w: stage_losses(cfg, _with_subtree(params, path, w), labels, points)[s])(shared)
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree_util.tree_leaves(g)))
+  def grad(s):
+    return jax.grad(lambda w: stage_losses(cfg, _with_subtree(params, path, w), labels, points)[s])(shared)
 
-  return jnp.stack([norm(s) for s in range(cfg.num_stages)])
+  return jax.tree.map(lambda *g: jnp.stack(g), *[grad(s) for s in range(cfg.num_stages)])
 
 
-def loss_fn(cfg: ECARConfig, params, gradnorm_state: gradnorm.GradNormState, x0: Array, labels: Array,
-            key: Array, *, train: bool = True) -> tuple[Array, tuple[dict[str, Any], gradnorm.GradNormState]]:
-  """x0 [B, H, W, D] in the model's data space, labels [B] -> (loss, (metrics, new GradNorm state))."""
+def _stage_norms(grads) -> Array:
+  """{leaf [S, ...]} -> [S] the norm of each stage's gradient over all of W."""
+  leaves = jax.tree_util.tree_leaves(grads)
+  return jnp.sqrt(sum(jnp.sum(jnp.square(g).reshape(g.shape[0], -1), axis=1) for g in leaves))
+
+
+def loss_and_stats(cfg: ECARConfig, params, gradnorm_state: gradnorm.GradNormState, x0: Array, labels: Array,
+                   key: Array, *, train: bool = True) -> tuple[Array, tuple[dict[str, Any], dict]]:
+  """x0 [B, H, W, D] in the model's data space, labels [B] -> (loss, (metrics, stats)).
+
+  stats: {'losses': L_s [S], 'grads': grad_W L_s (`shared_grads`; when training with gradnorm_lr > 0)},
+  means over the batch, so those of equal micro-batches average to the full batch's.
+  """
   _check_batch(cfg, x0, labels)
   k_drop, k_noise, k_t = jax.random.split(key, 3)
   if train and cfg.cond_drop_rate > 0:
@@ -95,14 +111,34 @@ def loss_fn(cfg: ECARConfig, params, gradnorm_state: gradnorm.GradNormState, x0:
   metrics = {f'loss/stage{s}': losses[s] for s in range(cfg.num_stages)}
   metrics |= {f'gradnorm/w{s}': weights[s] for s in range(cfg.num_stages)}
   metrics['loss/unweighted'] = jnp.sum(losses)
-  new_state = gradnorm_state
-  if train:
-    if cfg.gradnorm_lr > 0:
-      norms = shared_grad_norms(cfg, params, labels, points)
-      metrics |= {f'gradnorm/g{s}': norms[s] for s in range(cfg.num_stages)}
-    else:
-      norms = jnp.zeros_like(losses)
-    new_state, diag = gradnorm.update(gradnorm_state, losses, norms, lr=cfg.gradnorm_lr,
-                                      alpha=cfg.gradnorm_alpha, min_weight=cfg.gradnorm_min_weight)
-    metrics |= {f'gradnorm/ratio{s}': diag['ratio'][s] for s in range(cfg.num_stages)}
-  return jnp.sum(weights * losses), (metrics, new_state)
+  stats = {'losses': jax.lax.stop_gradient(losses)}
+  if train and cfg.gradnorm_lr > 0:
+    stats['grads'] = shared_grads(cfg, params, labels, points)
+  return jnp.sum(weights * losses), (metrics, stats)
+
+
+def gradnorm_step(cfg: ECARConfig, gradnorm_state: gradnorm.GradNormState,
+                  stats: dict) -> tuple[gradnorm.GradNormState, dict[str, Array]]:
+  """One GradNorm update from `loss_and_stats`' stats (of one batch, or averaged over micro-batches)
+  -> (new state, metrics: the gradient norms ||grad_W L_s|| and the relative inverse training rates)."""
+  metrics = {}
+  if 'grads' in stats:
+    norms = _stage_norms(stats['grads'])
+    metrics |= {f'gradnorm/g{s}': norms[s] for s in range(cfg.num_stages)}
+  else:
+    norms = jnp.zeros_like(stats['losses'])
+  new_state, diag = gradnorm.update(gradnorm_state, stats['losses'], norms, lr=cfg.gradnorm_lr,
+                                    alpha=cfg.gradnorm_alpha, min_weight=cfg.gradnorm_min_weight)
+  metrics |= {f'gradnorm/ratio{s}': diag['ratio'][s] for s in range(cfg.num_stages)}
+  return new_state, metrics
+
+
+def loss_fn(cfg: ECARConfig, params, gradnorm_state: gradnorm.GradNormState, x0: Array, labels: Array,
+            key: Array, *, train: bool = True) -> tuple[Array, tuple[dict[str, Any], gradnorm.GradNormState]]:
+  """x0 [B, H, W, D] in the model's data space, labels [B] -> (loss, (metrics, new GradNorm state)):
+  `loss_and_stats` then, when training, `gradnorm_step` on this batch's stats."""
+  loss, (metrics, stats) = loss_and_stats(cfg, params, gradnorm_state, x0, labels, key, train=train)
+  if not train:
+    return loss, (metrics, gradnorm_state)
+  new_state, gn_metrics = gradnorm_step(cfg, gradnorm_state, stats)
+  return loss, (metrics | gn_metrics, new_state)

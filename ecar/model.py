@@ -126,7 +126,7 @@ class Denoiser(nn.Module):
     self.cond_proj = nn.Dense(w, kernel_init=xavier_uniform, dtype=cfg.dtype)
     self.t_embed = TimestepEmbedder(w, cfg.dtype)
     self.blocks = [DiTBlock(w, cfg.den_heads, cfg.mlp_ratio, cfg.attn_backend, cfg.dtype)
-                   for _ in range(cfg.den_depth)]
+                   for _ in range(cfg.den_depths[self.stage])]
     self.final = FinalLayer(w, cfg.token_dim, cfg.dtype)
 
   def condition(self, r: Array) -> Array:
@@ -134,14 +134,21 @@ class Denoiser(nn.Module):
     (constant over a stage's Euler steps, so the sampler computes it once)."""
     return self.cond_proj(r)
 
-  def velocity(self, x: Array, timestep: Array, cond: Array) -> Array:
-    """x [B, g, g, D], timestep [B], cond [B, N_s, W] from `condition` -> velocity [B, g, g, D] float32."""
+  def velocity(self, x: Array, timestep: Array, cond: Array,
+               adaln: Optional[tuple[Array, Array]] = None) -> Array:
+    """x [B, g, g, D], timestep [B], cond [B, N_s, W] from `condition` -> velocity [B, g, g, D] float32.
+    adaln: `layers.merged_adaln` of this denoiser's params, to run every adaLN Linear as one GEMM."""
     cfg = self.cfg
     h = self.x_embed(patchify(x.astype(jnp.float32), cfg.patch_size)) + self.pos_embed
     c = cond + self.t_embed(timestep)[:, None]
-    for block in self.blocks:
-      h = block(h, c)
-    out = self.final(h, c).astype(jnp.float32)
+    mods = [None] * (len(self.blocks) + 1)
+    if adaln is not None:
+      kernel, bias = adaln
+      out = jnp.dot(nn.silu(c).astype(cfg.dtype), kernel.astype(cfg.dtype)) + bias.astype(cfg.dtype)
+      mods = jnp.split(out, np.cumsum([6 * cfg.den_width] * len(self.blocks)), axis=-1)
+    for block, mod in zip(self.blocks, mods):
+      h = block(h, c, mod)
+    out = self.final(h, c, mods[-1]).astype(jnp.float32)
     return unpatchify(out, cfg.patch_size, cfg.stage_sizes[self.stage])
 
   def __call__(self, x: Array, timestep: Array, r: Array) -> Array:
@@ -181,8 +188,9 @@ class ECAR(nn.Module):
   def den_condition(self, stage: int, r: Array) -> Array:
     return self.denoiser[stage].condition(r)
 
-  def den_velocity(self, stage: int, x: Array, timestep: Array, cond: Array) -> Array:
-    return self.denoiser[stage].velocity(x, timestep, cond)
+  def den_velocity(self, stage: int, x: Array, timestep: Array, cond: Array,
+                   adaln: Optional[tuple[Array, Array]] = None) -> Array:
+    return self.denoiser[stage].velocity(x, timestep, cond, adaln)
 
 
 def dummy_inputs(cfg: ECARConfig, batch: int = 1):

@@ -28,6 +28,7 @@ import numpy as np
 from ecar import flow as flow_lib
 from ecar.config import ECARConfig
 from ecar.latents import decode
+from ecar.layers import merged_adaln
 from ecar.model import ECAR
 from ecar.policy import BASELINE, Denoise, StagePolicy
 from var_models.nn import tokens as tok
@@ -98,8 +99,9 @@ class _Sampler:
         x = flow_lib.renoise_jump(self.flow, s, x, k_jump)
       r, kvs, state = self._ar_stage(v, s, self.model.apply(v, s, cls2, prev, method=ECAR.ar_inputs), kvs, state)
       cond = self.model.apply(v, s, r, method=ECAR.den_condition)
+      adaln = merged_adaln(v['params'][dens[s]])
       x, state = jax.lax.fori_loop(
-          0, self.steps[s], lambda i, c: self.euler_step(v, s, i, c[0], cond, cfg_scale, c[1]), (x, state))
+          0, self.steps[s], lambda i, c: self.euler_step(v, s, i, c[0], cond, cfg_scale, c[1], adaln), (x, state))
       if self.return_intermediates:
         aux['r'].append(r[:b])
         aux['ends'].append(x)
@@ -118,12 +120,14 @@ class _Sampler:
       r, state = policy.restore_output(s, r, sel, self.cfg.stage_tokens[s], state)
     return r, kvs, state
 
-  def euler_step(self, v, s: int, i: Array, x: Array, cond: Array, cfg_scale: Array, state: Any):
+  def euler_step(self, v, s: int, i: Array, x: Array, cond: Array, cfg_scale: Array, state: Any,
+                 adaln: Optional[tuple[Array, Array]] = None):
     """One Euler step of stage s: x [B, g, g, D] at local time i / n -> (x + v / n, state).
-    cond [2B, N_s, W] is the denoiser's condition from the AR ([cond; uncond])."""
+    cond [2B, N_s, W] is the denoiser's condition from the AR ([cond; uncond]); adaln its merged
+    adaLN weights (`layers.merged_adaln`)."""
     n, b = self.steps[s], x.shape[0]
     ts = flow_lib.timestep(self.flow, s, jnp.full((2 * b,), i, jnp.float32) / n)
-    vel = lambda xx, c, t: self.model.apply(v, s, xx, t, c, method=ECAR.den_velocity)
+    vel = lambda xx, c, t: self.model.apply(v, s, xx, t, c, adaln, method=ECAR.den_velocity)
 
     def both(xx):
       out = vel(jnp.concatenate([xx, xx]), cond, ts)

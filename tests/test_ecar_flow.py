@@ -98,8 +98,11 @@ def test_block_noise_covariance(gamma):
   assert abs(float(neighbour.mean())) < 0.03
 
 
-def test_renoise_jump_empirically_gives_the_next_start_distribution():
-  f = flow.stage_flow(3, 1 / 3)
+@pytest.mark.parametrize('gamma', [1 / 3, 0.2])
+def test_renoise_jump_empirically_gives_the_next_start_distribution(gamma):
+  """The sampler's start of a stage has the training start's marginal for every gamma <= 1/3:
+  the upsampled data at 1 - sigma_start plus i.i.d. noise of level sigma_start."""
+  f = flow.stage_flow(3, gamma)
   b, g, s = 4096, 4, 1
   clean_low = jnp.linspace(-1, 1, g * g).reshape(1, g, g, 1)
   n_low = jax.random.normal(jax.random.key(4), (b, g, g, 1))

@@ -80,6 +80,21 @@ class _CondOnly(ecar.StagePolicy):
     return denoise.cond(x), state
 
 
+def test_merged_adaln_gives_the_per_block_velocity():
+  """The sampler's one adaLN GEMM per step (every block's and the final layer's modulation
+  concatenated) computes what each block's own adaLN Linear does (non-zero weights, 2 blocks)."""
+  cfg = dataclasses.replace(CFG, den_depth=(1, 2, 1))
+  p = _perturbed(ecar.init_params(cfg, jax.random.key(2)))
+  s, g, n = 1, cfg.stage_sizes[1], cfg.stage_tokens[1]
+  x = jax.random.normal(jax.random.key(0), (2, g, g, 3))
+  cond = jax.random.normal(jax.random.key(1), (2, n, cfg.den_width))
+  ts = jnp.array([100.0, 700.0])
+  vel = lambda adaln: ECAR(cfg).apply({'params': p}, s, x, ts, cond, adaln, method=ECAR.den_velocity)
+  merged = ecar.layers.merged_adaln(p['denoiser_1'])
+  assert merged[0].shape == (cfg.den_width, (6 * 2 + 2) * cfg.den_width)
+  np.testing.assert_allclose(vel(merged), vel(None), rtol=1e-5, atol=1e-5)
+
+
 def test_euler_step_guidance_and_the_cond_only_hook(params):
   """Step s of 4: x + (v_u + scale * (v_c - v_u)) / 4 on the doubled batch; a policy running the
   conditional half alone gives the scale-1 step."""
@@ -126,7 +141,7 @@ def test_sampler_rejects_bad_input(params):
     ecar.make_sampler(CFG, num_steps=2)
   with pytest.raises(ValueError, match='one per stage'):
     ecar.make_sampler(CFG, num_steps=(2, 2))
-  latent = ECARConfig(image_size=64, num_classes=4, ar_depth=1, ar_width=32, ar_heads=2, den_depth=1,
+  latent = ECARConfig(image_size=64, num_classes=4, patch_size=1, ar_depth=1, ar_width=32, ar_heads=2, den_depth=1,
                       den_width=32, den_heads=2)
   with pytest.raises(ValueError, match='vae_params are required'):
     ecar.make_sampler(latent, num_steps=3)(params, None, jax.random.key(0), LABELS, cfg_scale=1.0)

@@ -1,15 +1,28 @@
-"""The train step on a toy task: accumulation, EMA, the non-finite guard, model state; the schedule."""
+"""The train step on a toy task: accumulation, EMA, the non-finite guard, model state; GradNorm's
+model state under accumulation; the schedule."""
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import ecar
 from configs import common
+from ecar import gradnorm
+from ecar.loss import gradnorm_step
+from ecar.model import abstract_params
+from test_train_families import small_ecar
 from train.optimizer import decay_mask, lr_schedule, make_optimizer
 from train.state import init_state
 from train.step import make_train_step
-from train.tasks import Task
+from train.tasks import Task, make_task, random_stand_in
 from var_models import flop_count
+
+
+def _inputs(frozen, batch, key):
+  return batch['image'].astype(jnp.float32) * frozen['scale']
 
 
 def _toy_task() -> Task:
@@ -20,23 +33,47 @@ def _toy_task() -> Task:
   def init(key):
     return {'w': jax.random.normal(key, (3,)), 'b': jnp.zeros(())}, {'seen': jnp.zeros((), jnp.int32)}
 
-  def inputs(frozen, batch, key):
-    return batch['image'].astype(jnp.float32) * frozen['scale']
-
   def loss(params, model_state, x, labels, key):
     pred = x @ params['w'] + params['b']
     err = jnp.mean(jnp.square(pred - labels))
     err = jnp.where(jnp.any(labels < 0), jnp.nan, err)
     return err, ({'loss/abs': jnp.mean(jnp.abs(pred - labels))}, {'seen': model_state['seen'] + 1})
 
-  return Task('toy', 1, 1, init, {'scale': jnp.float32(0.5)}, inputs, loss, None, ('toy', 'frozen'))
+  return Task('toy', 1, 1, init, {'scale': jnp.float32(0.5)}, _inputs, loss, None, ('toy', 'frozen'))
 
 
-def _setup(**train):
+def _gradnorm_task(cfg) -> Task:
+  """S = cfg.num_stages regressions from 'image' [B, 3] through one shared layer W [3, 4], stage s's
+  target 'label' x (1 + 3 s) (so the stages' gradient scales differ); a deterministic loss, with
+  E-CAR's GradNorm statistics (losses, per-stage gradients on W) and update as the model state."""
+  stages = cfg.num_stages
+  gain = 1.0 + 3.0 * jnp.arange(stages)
+
+  def init(key):
+    k1, k2 = jax.random.split(key)
+    return ({'shared': jax.random.normal(k1, (3, 4)), 'heads': jax.random.normal(k2, (stages, 4))},
+            ecar.init_gradnorm(cfg))
+
+  def stage_losses(params, x, labels):
+    pred = x @ params['shared'] @ params['heads'].T
+    return jnp.mean(jnp.square(pred - labels[:, None] * gain), axis=0)
+
+  def loss(params, gn, x, labels, key):
+    losses = stage_losses(params, x, labels)
+    p = jax.lax.stop_gradient(params)
+    grads = jnp.stack([jax.grad(lambda w: stage_losses({**p, 'shared': w}, x, labels)[s])(p['shared'])
+                       for s in range(stages)])
+    return jnp.sum(gn.weights * losses), ({}, {'losses': losses, 'grads': {'shared': grads}})
+
+  return Task('toy_gradnorm', 1, 1, init, {'scale': jnp.float32(0.5)}, _inputs, loss, None, ('toy', 'frozen'),
+              update_state=functools.partial(gradnorm_step, cfg))
+
+
+def _setup(task=None, **train):
   t = common.train_config(**{'lr': 0.1, 'warmup_steps': 0, 'ema_decay': 0.5, **train})
   sched = lr_schedule(t)
   tx = make_optimizer(t, sched)
-  task = _toy_task()
+  task = task or _toy_task()
   state = init_state(task.init, tx, jax.random.key(0))
   step = jax.jit(make_train_step(task, tx, sched, t.grad_accum, t.ema_decay))
   return task, state, step
@@ -57,6 +94,49 @@ def test_gradient_accumulation_equals_the_full_batch_step():
   np.testing.assert_allclose(m1['loss'], m4['loss'], rtol=1e-5)
   np.testing.assert_allclose(m1['loss/abs'], m4['loss/abs'], rtol=1e-5)
   assert int(one.model_state['seen']) == 1 and int(four.model_state['seen']) == 4
+
+
+def test_gradnorm_under_accumulation_equals_one_update_on_the_full_batch():
+  """The weights move once per optimizer step, from the statistics of the whole batch: Adam's moments,
+  the first step's losses and the weights equal those of the step without accumulation."""
+  task = _gradnorm_task(ecar.ecar_config(small_ecar()))
+  _, state, step = _setup(task)
+  _, _, step4 = _setup(task, grad_accum=4)
+  one = four = state
+  for labels in ([1., 2., 3., 4., 5., 6., 7., 8.], [2., -1., 0., 3., 1., 1., 4., 2.]):
+    one, m1 = step(one, task.frozen, _batch(labels))
+    four, m4 = step4(four, task.frozen, _batch(labels))
+    np.testing.assert_allclose(m1['gradnorm/g0'], m4['gradnorm/g0'], rtol=1e-5)
+  assert int(one.model_state.step) == int(four.model_state.step) == 2
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), one.model_state,
+               four.model_state)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), one.params, four.params)
+  assert float(jnp.max(jnp.abs(one.model_state.weights - 1.0))) > 1e-3  # the weights moved
+
+
+def test_ecar_gradnorm_updates_once_per_step_from_the_whole_batch_statistics():
+  """E-CAR's task with grad_accum=2: each step's GradNorm state is one update of the previous one from
+  the step's stage losses and gradient norms (the whole batch's). Random stand-in params (no zero
+  layers, so the shared layer has gradient from the first step; and no init to compile)."""
+  config = small_ecar()
+  config.train.update(grad_accum=2, warmup_steps=0)
+  cfg = ecar.ecar_config(config)
+  params = random_stand_in(abstract_params(cfg), 0)
+  task = dataclasses.replace(make_task(config), init=lambda key: (params, ecar.init_gradnorm(cfg)))
+  t, g = config.train, config.gradnorm
+  tx = make_optimizer(t, lr_schedule(t))
+  step = jax.jit(make_train_step(task, tx, lr_schedule(t), t.grad_accum, t.ema_decay))
+  state = init_state(task.init, tx, jax.random.key(0))
+  images = np.random.default_rng(0).integers(0, 256, (4, 8, 8, 3), dtype=np.uint8)
+  batch = {'image': jnp.asarray(images), 'label': jnp.arange(4) % 2}
+  stages = range(config.model.num_stages)
+  for _ in range(2):
+    new, metrics = step(state, task.frozen, batch)
+    losses, norms = (jnp.asarray([metrics[f'{name}{s}'] for s in stages]) for name in ('loss/stage', 'gradnorm/g'))
+    want, _ = gradnorm.update(state.model_state, losses, norms, lr=g.lr, alpha=g.alpha, min_weight=g.min_weight)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8), new.model_state, want)
+    assert not np.allclose(new.model_state.weights, state.model_state.weights)
+    state = new
 
 
 def test_step_flops_count_every_micro_batch():

@@ -1,10 +1,15 @@
-"""Sample a PNG grid from a VAR or MAR config and checkpoint.
+"""Sample a PNG grid from a VAR, MAR or E-CAR config and checkpoint.
 
   python -m train.sample --config configs/var.py:d16 --ckpt DIR --out grid.png \
       --labels 207,360,388 --cfg 1.5 --top_k 900 --top_p 0.96 --seed 0 --batch_size 16
   python -m train.sample --config configs/mar.py:base --ckpt DIR --out grid.png \
       --labels 207,360 --cfg 2.9 --num_iter 64 --temperature 1.0
+  python -m train.sample --config configs/ecar.py:B --ckpt WORKDIR --out grid.png \
+      --labels 207,360 --cfg 1.5 --num_steps 250
 
+--ckpt is a converted checkpoint or a training workdir (its exported EMA params).
+E-CAR in latent space also needs its frozen VAE: --config.vae_ckpt when set
+(`python -m var_models.convert sdxl-vae`), else the one the workdir exported.
 Flags left unset take the config's `sample` settings. Without --ckpt the
 parameters are random (the official initialisation): useful only to check the
 set-up, e.g. with a `tiny` config on a CPU.
@@ -18,18 +23,22 @@ from tqdm import tqdm
 
 import jax
 
+import ecar
+from ecar.model import abstract_params
 from train import grid as grid_lib
 from train import models
+from var_models import checkpoint
 from var_models.mar.sampler import check_mar_sample_args, make_mar_sampler
 from var_models.nn.checks import check_labels
 from var_models.var.sampler import check_sample_args, make_sampler
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/{var,mar}.py:VARIANT', lock_config=True)
-_CKPT = flags.DEFINE_string('ckpt', None, 'checkpoint directory (from `python -m var_models.convert`)')
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/{var,mar,ecar}.py:VARIANT', lock_config=True)
+_CKPT = flags.DEFINE_string('ckpt', None, 'checkpoint directory (from `python -m var_models.convert`) or '
+                            'training workdir (`python -m train`)')
 _OUT = flags.DEFINE_string('out', 'samples/grid.png', 'where to write the PNG grid')
 _LABELS = flags.DEFINE_list('labels', None, 'class labels, comma separated (default: 0, 1, 2, ...)')
 _NUM = flags.DEFINE_integer('num_images', None, 'images in the grid (default: one per label, else batch_size)')
-_CFG = flags.DEFINE_float('cfg', None, 'classifier-free guidance scale')
+_CFG = flags.DEFINE_float('cfg', None, 'classifier-free guidance scale (E-CAR: cfg_scale)')
 _SEED = flags.DEFINE_integer('seed', None, 'random seed')
 _BATCH = flags.DEFINE_integer('batch_size', None, 'images per compiled call')
 _TOP_K = flags.DEFINE_integer('top_k', None, 'VAR: top-k, 0 = off')
@@ -38,8 +47,10 @@ _NUM_ITER = flags.DEFINE_integer('num_iter', None, 'MAR: iterations')
 _TEMP = flags.DEFINE_float('temperature', None, 'MAR: diffusion temperature')
 _SCHEDULE = flags.DEFINE_string('cfg_schedule', None, "MAR: 'linear' or 'constant'")
 _STEPS = flags.DEFINE_integer('num_diffusion_steps', None, 'MAR: diffusion steps')
+_EULER = flags.DEFINE_integer('num_steps', None, 'E-CAR: Euler steps in all, split over the stages')
 
-_FAMILY_FLAGS = {'var': (_TOP_K, _TOP_P), 'mar': (_NUM_ITER, _TEMP, _SCHEDULE, _STEPS)}
+_FAMILY_FLAGS = {'var': (_TOP_K, _TOP_P), 'mar': (_NUM_ITER, _TEMP, _SCHEDULE, _STEPS), 'ecar': (_EULER,)}
+_FAMILY_NAMES = {'var': 'VAR', 'mar': 'MAR', 'ecar': 'E-CAR'}
 
 
 def _pick(flag, default):
@@ -61,7 +72,15 @@ def _check_family_flags(family: str) -> None:
   for other, fl in _FAMILY_FLAGS.items():
     for f in fl if other != family else ():
       if f.value is not None:
-        raise ValueError(f'--{f.name} applies to {other.upper()} configs, not to config.family={family!r}')
+        raise ValueError(f'--{f.name} applies to {_FAMILY_NAMES[other]} configs, not to config.family={family!r}')
+
+
+def _check_checkpoint_family(family: str) -> None:
+  """A checkpoint whose meta.json names another family is an error before anything loads."""
+  stored = checkpoint.load_meta(_CKPT.value).get('family', family)
+  if stored != family:
+    raise ValueError(f'--ckpt {_CKPT.value} holds {_FAMILY_NAMES.get(stored, stored)} params (its meta.json), '
+                     f'not config.family={family!r}')
 
 
 def _var_sampler(config, key, batch):
@@ -91,7 +110,37 @@ def _mar_sampler(config, key, batch):
   return (lambda p, k, labels: sampler(p, k, labels, **opts)[0]), params
 
 
-_BUILDERS = {'var': _var_sampler, 'mar': _mar_sampler}
+def _ecar_vae(cfg, vae_ckpt: str, key):
+  """The frozen VAE of a latent-space E-CAR (None in pixel space): from `vae_ckpt`, else random."""
+  if cfg.latent_space == 'pixel':
+    return None
+  if not vae_ckpt:
+    return ecar.init_vae_params(cfg, key)
+  abstract = jax.eval_shape(lambda k: ecar.init_vae_params(cfg, k), jax.random.key(0))
+  try:
+    return models.load_component(vae_ckpt, 'vae', abstract)
+  except ValueError as e:
+    raise ValueError(f'{e}; E-CAR in latent space needs its frozen VAE: --config.vae_ckpt '
+                     '(python -m var_models.convert sdxl-vae), else the --ckpt workdir\'s export') from None
+
+
+def _ecar_sampler(config, key, batch):
+  """(sample(params, key, labels) -> images, params) for an E-CAR config."""
+  cfg = ecar.ecar_config(config)
+  s = config.sample
+  cfg_scale = _pick(_CFG, s.cfg_scale)
+  if not np.isfinite(cfg_scale):
+    raise ValueError(f'--cfg must be finite, got {cfg_scale}')
+  sampler = ecar.make_sampler(cfg, num_steps=_pick(_EULER, s.num_steps))
+  k_model, k_vae = jax.random.split(key)
+  ckpt = _CKPT.value
+  params = {'ecar': (models.load_component(ckpt, 'ecar', abstract_params(cfg)) if ckpt
+                     else ecar.init_params(cfg, k_model)),
+            'vae': _ecar_vae(cfg, config.vae_ckpt or ckpt, k_vae)}
+  return (lambda p, k, labels: sampler(p['ecar'], p['vae'], k, labels, cfg_scale=cfg_scale)[0]), params
+
+
+_BUILDERS = {'var': _var_sampler, 'mar': _mar_sampler, 'ecar': _ecar_sampler}
 
 
 def main(argv):
@@ -100,10 +149,12 @@ def main(argv):
   if config.family not in _BUILDERS:
     raise ValueError(f'config.family must be one of {sorted(_BUILDERS)}, got {config.family!r}')
   _check_family_flags(config.family)
+  if _CKPT.value:
+    _check_checkpoint_family(config.family)
   batch = _pick(_BATCH, config.sample.batch_size)
   if batch <= 0:
     raise ValueError(f'--batch_size must be positive, got {batch}')
-  num_classes = config.num_classes if config.family == 'var' else config.model.class_num
+  num_classes = config.model.class_num if config.family == 'mar' else config.num_classes
   labels = _labels(num_classes, batch)
   check_labels(labels, num_classes)
   key = jax.random.key(_pick(_SEED, config.sample.seed))

@@ -2,6 +2,9 @@
 
 Gradients are averaged over `grad_accum` micro-batches (a `lax.scan`; micro-batch i
 is rows i, i + A, i + 2A, ... so each is split over every device like the batch).
+The model state either advances with every micro-batch's loss or, for a task with
+`update_state` (E-CAR's GradNorm), changes once per step from the loss's statistics
+averaged over the micro-batches, as one step on the full batch would change it.
 A step whose loss or gradient norm is not finite changes nothing but the counters
 (and the RNG): parameters, EMA, optimizer and model state stay as they were.
 """
@@ -38,37 +41,47 @@ def _select(ok, new, old):
 def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     grad_accum: int, ema_decay: float):
   """-> step(state, frozen, batch) -> (state, metrics {name: float32 []})."""
+  threaded = task.update_state is None  # the loss returns the new model state, not statistics
 
   def loss_and_grads(params, model_state, frozen, batch, key):
+    """-> (loss, metrics, new model state or statistics, grads) of one (micro-)batch."""
     k_in, k_loss = jax.random.split(key)
     inputs = task.inputs(frozen, batch, k_in)
     grad_fn = jax.value_and_grad(task.loss, has_aux=True)
-    (loss, (metrics, model_state)), grads = grad_fn(params, model_state, inputs, batch['label'], k_loss)
-    return loss, metrics, model_state, grads
+    (loss, (metrics, aux)), grads = grad_fn(params, model_state, inputs, batch['label'], k_loss)
+    return loss, metrics, aux, grads
 
   def accumulated(params, model_state, frozen, batch, key):
+    """Means over the micro-batches; the model state threaded through them, or statistics averaged."""
     if grad_accum == 1:
       return loss_and_grads(params, model_state, frozen, batch, key)
+    add = lambda a, b: jax.tree.map(jnp.add, a, b)
 
     def body(carry, xs):
       i, micro = xs
-      loss_sum, metric_sum, ms, grad_sum = carry
-      loss, metrics, ms, grads = loss_and_grads(params, ms, frozen, micro, jax.random.fold_in(key, i))
-      add = lambda a, b: jax.tree.map(jnp.add, a, b)
-      return (loss_sum + loss, add(metric_sum, metrics), ms, add(grad_sum, grads)), None
+      loss_sum, metric_sum, aux, grad_sum = carry
+      loss, metrics, new, grads = loss_and_grads(params, aux if threaded else model_state, frozen, micro,
+                                                 jax.random.fold_in(key, i))
+      return (loss_sum + loss, add(metric_sum, metrics), new if threaded else add(aux, new),
+              add(grad_sum, grads)), None
 
     micro = _micro_batches(batch, grad_accum)
     first = jax.tree.map(lambda x: x[0], micro)
     shapes = jax.eval_shape(loss_and_grads, params, model_state, frozen, first, key)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0], shapes[1], shapes[3]))
-    carry = (zeros[0], zeros[1], model_state, zeros[2])
-    (loss, metrics, model_state, grads), _ = jax.lax.scan(body, carry, (jnp.arange(grad_accum), micro))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    carry = (zeros[0], zeros[1], model_state if threaded else zeros[2], zeros[3])
+    (loss, metrics, aux, grads), _ = jax.lax.scan(body, carry, (jnp.arange(grad_accum), micro))
     mean = lambda t: jax.tree.map(lambda x: x / grad_accum, t)
-    return mean(loss), mean(metrics), model_state, mean(grads)
+    return mean(loss), mean(metrics), aux if threaded else mean(aux), mean(grads)
 
   def step(state: TrainState, frozen, batch):
     rng, key = jax.random.split(jax.random.wrap_key_data(state.rng))
-    loss, metrics, model_state, grads = accumulated(state.params, state.model_state, frozen, batch, key)
+    loss, metrics, aux, grads = accumulated(state.params, state.model_state, frozen, batch, key)
+    if threaded:
+      model_state = aux
+    else:
+      model_state, state_metrics = task.update_state(state.model_state, aux)
+      metrics = {**metrics, **state_metrics}
     grad_norm = _global_norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)

@@ -7,6 +7,13 @@ A `Task` holds pure functions (all jit-compiled by the trainer):
                                            [B, H, W, 3] (or 'moments'), 'label' [B]} into the
                                            model's inputs (no gradient flows into it)
   loss(params, model_state, inputs, labels, key) -> (loss, (metrics, new model_state))
+                                           the model state advances with every loss evaluation
+                                           (each micro-batch), as the VQVAE's counter does; or,
+                                           for a task with update_state, -> (loss, (metrics, stats))
+  update_state(model_state, stats) -> (model_state, metrics)
+                                           optional: a model state that changes once per
+                                           optimizer step (E-CAR's GradNorm), from the loss's
+                                           stats (float arrays) averaged over the micro-batches
   sample(params, frozen, key, labels) -> images [B, H, W, 3] in [0, 1]
 and `frozen`, the tokenizer's parameters (loaded from the config's checkpoint, or
 random with a warning when none is named). A tokenizer's own task (the VQVAE)
@@ -57,6 +64,7 @@ class Task:
   # Trained params -> the part exported as names[0] (None: all of them), e.g. a tokenizer
   # without the discriminator it trained with.
   export: Optional[Callable[[Any], Any]] = None
+  update_state: Optional[Callable[[Any, Any], tuple[Any, dict]]] = None
 
 
 def to_unit_range(images: Array) -> Array:
@@ -193,8 +201,10 @@ def mar_task(config) -> Task:
 
 
 def ecar_task(config) -> Task:
-  """E-CAR: GradNorm's state is the model state; pixel space has no tokenizer (frozen None)."""
+  """E-CAR: GradNorm's state is the model state, updated once per optimizer step from the stage losses
+  and shared-layer gradients of the whole batch; pixel space has no tokenizer (frozen None)."""
   import ecar
+  from ecar.loss import gradnorm_step, loss_and_stats
   cfg = ecar.ecar_config(config)
   pixel = cfg.latent_space == 'pixel'
   frozen = None if pixel else _frozen(config.vae_ckpt, 'vae', _vae_shapes, cfg.vae, config.train.seed + 1,
@@ -207,7 +217,7 @@ def ecar_task(config) -> Task:
     return ecar.encode_images(cfg, frozen, to_unit_range(batch['image']), key)
 
   def loss(params, model_state, x0, labels, key):
-    return ecar.loss_fn(cfg, params, model_state, x0, labels, key, train=True)
+    return loss_and_stats(cfg, params, model_state, x0, labels, key, train=True)
 
   _check_sample(lambda: _finite(config.sample.cfg_scale, 'cfg_scale'))
   sampler = _check_sample(lambda: ecar.make_sampler(cfg, num_steps=config.sample.num_steps))
@@ -216,7 +226,8 @@ def ecar_task(config) -> Task:
     return sampler(params, frozen, key, labels, cfg_scale=config.sample.cfg_scale)[0]
 
   return Task('ecar', cfg.image_size, cfg.num_classes, lambda k: (ecar.init_params(cfg, k), ecar.init_gradnorm(cfg)),
-              frozen, inputs, loss, sample, ('ecar', 'vae'), moments)
+              frozen, inputs, loss, sample, ('ecar', 'vae'), moments,
+              update_state=functools.partial(gradnorm_step, cfg))
 
 
 def _lpips_shapes(dtype, key):
