@@ -9,7 +9,8 @@ values), 250 Euler steps in all (a third per stage), CFG with the doubled batch
 compile); run times are medians over --iters calls after --warmup calls, each
 with a fresh key, timed on the host after block_until_ready. FLOPs per image are
 matmul FLOPs counted on the sampler's jaxpr (`ecar.sampling_flops`), with and
-without the VAE decoder; the paper reports 1T / 3.2T / 5.8T for S / B / L.
+without the VAE decoder, beside the paper's Table 2 (1T / 3.2T / 5.8T for S / B / L, which
+leaves the decoder out: configs/ecar.py).
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import numpy as np
 import ecar
 from configs import ecar as ecar_configs
 from timing import print_top_device_ops, time_compiled
+
+PAPER_TFLOPS = {'S': 1.0, 'B': 3.2, 'L': 5.8}  # Table 2, with CFG, 250 steps
 
 
 def model_config(variant: str, dtype: str, backend: str):
@@ -68,9 +71,10 @@ def main():
           f'tokens {cfg.stage_tokens}', flush=True)
     flops = None if args.no_flops else ecar.sampling_flops(cfg, num_steps=args.steps)
     if flops:
+      paper = PAPER_TFLOPS.get(variant)
       print(f"  FLOPs per image: {flops['per_image'] / 1e9:.1f} G "
-            f"({flops['per_image_without_decode'] / 1e9:.1f} G without the VAE decoder), "
-            f"steps per stage {flops['steps_per_stage']}", flush=True)
+            f"({flops['per_image_without_decode'] / 1e9:.1f} G without the VAE decoder"
+            f"{f'; paper {paper:g} T' if paper else ''}), steps per stage {flops['steps_per_stage']}", flush=True)
     for batch in [int(b) for b in args.batches.split(',')]:
       r = time_sampler(cfg, params, vae, batch, args.steps, args.cfg_scale, args.warmup, args.iters,
                        args.profile)
