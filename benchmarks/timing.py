@@ -34,6 +34,15 @@ def time_compiled(lowered, make_args: Callable[[int], tuple], batch: int, warmup
   t0 = time.perf_counter()
   compiled = lowered.compile(compiler_options=compiler_options or None)
   compile_s = time.perf_counter() - t0
+  times = call_times(compiled, make_args, warmup, iters)
+  med = statistics.median(times)
+  return compiled, dict(compile_s=compile_s, median_ms=med * 1e3, per_image_ms=med * 1e3 / batch,
+                        min_ms=min(times) * 1e3, max_ms=max(times) * 1e3)
+
+
+def call_times(compiled, make_args: Callable[[int], tuple], warmup: int, iters: int) -> list[float]:
+  """Seconds of each of `iters` calls compiled(*make_args(i)) after `warmup` calls, each timed on
+  the host after block_until_ready."""
   times = []
   for i in range(warmup + iters):
     args = make_args(i)
@@ -41,9 +50,7 @@ def time_compiled(lowered, make_args: Callable[[int], tuple], batch: int, warmup
     jax.block_until_ready(compiled(*args))
     if i >= warmup:
       times.append(time.perf_counter() - t0)
-  med = statistics.median(times)
-  return compiled, dict(compile_s=compile_s, median_ms=med * 1e3, per_image_ms=med * 1e3 / batch,
-                        min_ms=min(times) * 1e3, max_ms=max(times) * 1e3)
+  return times
 
 
 def entry_op_counts(compiled) -> dict:
@@ -60,10 +67,10 @@ def entry_op_counts(compiled) -> dict:
   return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:8])
 
 
-def top_device_ops(run: Callable[[], None], logdir: str, top: int = 25):
-  """Traces run() with the JAX profiler -> ([(line, op name, total ms, count)] of the `top` ops
-  by time, {line: busy ms}) over the device processes' timeline lines (XLA ops, kernels per
-  stream: each line is a separate view of the same work) of the Perfetto trace."""
+def device_events(run: Callable[[], None], logdir: str) -> list[tuple[str, str, float, float]]:
+  """Traces run() with the JAX profiler -> [(line, name, start us, duration us)] of the device
+  processes' timeline lines (XLA ops, kernels per stream: each line is a separate view of the
+  same work) of the Perfetto trace, in time order."""
   with jax.profiler.trace(logdir, create_perfetto_trace=True):
     run()
   path = sorted(glob.glob(f'{logdir}/**/*.trace.json.gz', recursive=True))[-1]
@@ -73,13 +80,19 @@ def top_device_ops(run: Callable[[], None], logdir: str, top: int = 25):
                        for e in events if e.get('ph') == 'M' and e.get('name') == kind}
   processes, threads = meta('process_name'), meta('thread_name')
   device = {pid for pid, name in processes.items() if 'GPU' in name or 'device:' in name}
+  out = [(threads.get((e['pid'], e.get('tid')), str(e.get('tid'))), e['name'], e.get('ts', 0.0), e.get('dur', 0.0))
+         for e in events if e.get('ph') == 'X' and e.get('pid') in device]
+  return sorted(out, key=lambda e: e[2])
+
+
+def top_device_ops(run: Callable[[], None], logdir: str, top: int = 25):
+  """Traces run() (see `device_events`) -> ([(line, op name, total ms, count)] of the `top` ops
+  by time, {line: busy ms})."""
   total, count, busy = collections.Counter(), collections.Counter(), collections.Counter()
-  for e in events:
-    if e.get('ph') == 'X' and e.get('pid') in device:
-      line = threads.get((e['pid'], e.get('tid')), str(e.get('tid')))
-      total[line, e['name']] += e.get('dur', 0) / 1e3
-      count[line, e['name']] += 1
-      busy[line] += e.get('dur', 0) / 1e3
+  for line, name, _, dur in device_events(run, logdir):
+    total[line, name] += dur / 1e3
+    count[line, name] += 1
+    busy[line] += dur / 1e3
   return [(line, name, ms, count[line, name]) for (line, name), ms in total.most_common(top)], dict(busy)
 
 

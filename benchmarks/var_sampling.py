@@ -23,7 +23,7 @@ from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig
 from var_models.var.model import VARConfig
 from var_models.var.sampler import make_sampler
 from timing import entry_op_counts, print_top_device_ops, time_compiled, xla_variants
-from train.models import init_var_params
+from var_models.var.from_config import init_var_params
 
 
 def cast_var_params(params, dtype):

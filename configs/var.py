@@ -1,5 +1,5 @@
 """VAR configs: `--config configs/var.py:VARIANT` with VARIANT in d16, d20, d24, d30, tiny,
-vqvae, vqvae_tiny.
+small256, vqvae, vqvae_tiny, vqvae_small256.
 
 d16..d30 are the official ImageNet 256 px models (vae_ch160v4096z32.pth + var_dN.pth);
 `tiny` runs on a CPU in seconds (32 px images, 4 scales). `train` and `data` are
@@ -30,12 +30,29 @@ more than double the step; without converted weights it is a random network
 anyway); a 32-channel discriminator from step 100 of 300 with weight 0.05 (at 0.5,
 with no adaptive weight, lr 2e-3 and only 100 steps on MSE before it, the
 adversarial gradient swamps the pixel loss: the reconstructions collapse to blobs).
+
+`small256` and its tokenizer `vqvae_small256` are the trained model the accelerators
+(`accel`) are judged on, since no official weights can be downloaded here: VAR at
+256 px on the official 10 scales, on the built-in shapes (10 classes), sized for a few
+GPU minutes each (on one H200, 600 tokenizer and 1000 VAR steps took 1.6 and 2.6 minutes
+with compiles: benchmarks/RESULTS.md, issue 22). The VAR is depth 8 (width 512, 8
+heads, 4 x MLP, the official block), trained 1500 steps at batch 64 (AdamW as the
+paper's, lr 5e-4 after 200 warm-up steps, linear decay to 10 %). The tokenizer has
+the official architecture at width 32 (ch_mult 1,1,2,2,4; one res block per level),
+a 1024-code, 16-channel codebook, trained 1000 steps at batch 32 with Adam (0.5,
+0.9) at lr 1e-3 on pixel MSE + VQ loss alone: no LPIPS (no VGG weights here) and no
+discriminator (disc_start past the last step), on centre crops (the shapes' own
+positions and sizes vary; the random crop's resampling would cost more CPU than the step). Samples take the paper's FID settings. The
+commands (bf16, cudnn: a GPU):
+    python -m train --config configs/var.py:vqvae_small256 --workdir runs/vqvae_small256
+    python -m train --config configs/var.py:small256 --workdir runs/small256 \
+        --config.vqvae_ckpt=runs/vqvae_small256
 """
 import ml_collections
 
 from configs import common
 
-VARIANTS = ('d16', 'd20', 'd24', 'd30', 'tiny', 'vqvae', 'vqvae_tiny')
+VARIANTS = ('d16', 'd20', 'd24', 'd30', 'tiny', 'small256', 'vqvae', 'vqvae_tiny', 'vqvae_small256')
 
 
 # Global batch, base lr per 256 images, epochs, final lr fraction (the official README);
@@ -91,6 +108,18 @@ def _tiny() -> ml_collections.ConfigDict:
   return c
 
 
+def _small256() -> ml_collections.ConfigDict:
+  c = _official(8)
+  c.variant = 'small256'
+  c.num_classes = 10
+  c.vqvae.update(vocab_size=1024, z_channels=16, ch=32, num_res_blocks=1)
+  c.sample.update(cfg=1.5, top_k=900, top_p=0.96, batch_size=10)
+  c.train.update(steps=1500, batch_size=64, lr=5e-4, warmup_steps=200, log_every=100, ckpt_every=1500,
+                 sample_every=1500, sample_per_class=2, sample_classes=10)
+  c.data.update(source='synthetic', num_examples=50_000, crop='center', workers=16)
+  return c
+
+
 def _tokenizer(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The VQVAE of VAR config c, trained on c's images (no transformer, no sampler)."""
   t = ml_collections.ConfigDict({k: c[k] for k in ('image_size', 'patch_nums', 'num_classes', 'vqvae', 'dtype',
@@ -122,8 +151,20 @@ def _vqvae_tiny() -> ml_collections.ConfigDict:
   return c
 
 
+def _vqvae_small256() -> ml_collections.ConfigDict:
+  c = _tokenizer(_small256())
+  c.train = common.train_config(steps=1000, batch_size=32, lr=1e-3, b1=0.5, b2=0.9, weight_decay=0.0,
+                                warmup_steps=100, schedule='constant', grad_clip=0.0, ema_decay=0.99,
+                                log_every=100, ckpt_every=1000, sample_every=1000, sample_per_class=2,
+                                sample_classes=10)
+  c.data.update(crop='center', hflip=False)
+  c.loss.update(perceptual_weight=0.0, disc_start=c.train.steps, disc_channels=16, disc_layers=2)
+  return c
+
+
 def get_config(arg: str = 'd16') -> ml_collections.ConfigDict:
   if arg not in VARIANTS:
     raise ValueError(f'unknown VAR variant {arg!r}; known: {VARIANTS}')
-  builders = {'tiny': _tiny, 'vqvae': _vqvae, 'vqvae_tiny': _vqvae_tiny}
+  builders = {'tiny': _tiny, 'small256': _small256, 'vqvae': _vqvae, 'vqvae_tiny': _vqvae_tiny,
+              'vqvae_small256': _vqvae_small256}
   return builders[arg]() if arg in builders else _official(int(arg[1:]))

@@ -11,12 +11,12 @@ from PIL import Image
 from configs import var as var_configs
 from test_var import official_state_dict as var_state_dict
 from test_vqvae import official_state_dict as vqvae_state_dict
-from train import models
 from var_models import checkpoint
 from var_models.convert.__main__ import convert_var_files, main as convert_main
 from var_models.convert.var import convert_var
 from var_models.convert.vqvae import convert_vqvae
 from var_models.tokenizers.vqvae import VQVAEConfig
+from var_models.var import from_config as var_from_config
 from var_models.var.model import VARConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +38,7 @@ def test_converted_checkpoint_round_trips_through_disk(npz_files, tmp_path):
   vae, var = npz_files
   out = str(tmp_path / 'ckpt')
   convert_var_files(vae, var, 2, out, var_cfg=VAR_CFG, vq_cfg=VQ_CFG)
-  loaded = models.load_var_params(VAR_CFG, VQ_CFG, out)
+  loaded = var_from_config.load_var_params(VAR_CFG, VQ_CFG, out)
   want = {'var': convert_var(dict(np.load(var)), VAR_CFG), 'vqvae': convert_vqvae(dict(np.load(vae)), VQ_CFG)}
   jax.tree_util.tree_map(np.testing.assert_array_equal, loaded, want)
   assert checkpoint.load_meta(out)['depth'] == 2
@@ -56,14 +56,14 @@ def test_loading_a_checkpoint_of_another_model_names_the_parameter(npz_files, tm
   convert_var_files(vae, var, 2, out, var_cfg=VAR_CFG, vq_cfg=VQ_CFG)
   wider = VARConfig(depth=2, width=64, num_heads=2, num_classes=5, vocab_size=64, cvae=8, patch_nums=PNS)
   with pytest.raises(ValueError, match=r"parameter \['var'\]\['.*'\].* has shape"):
-    models.load_var_params(wider, VQ_CFG, out)
+    var_from_config.load_var_params(wider, VQ_CFG, out)
 
 
 def test_sample_cli_writes_a_png_grid_from_a_checkpoint(tmp_path):
   config = var_configs.get_config('tiny')
-  var_cfg, vq_cfg = models.var_configs(config)
+  var_cfg, vq_cfg = var_from_config.var_configs(config)
   ckpt = str(tmp_path / 'tiny')
-  checkpoint.save_params(ckpt, models.init_var_params(var_cfg, vq_cfg, jax.random.key(0)))
+  checkpoint.save_params(ckpt, var_from_config.init_var_params(var_cfg, vq_cfg, jax.random.key(0)))
   out = str(tmp_path / 'grid.png')
   cmd = [sys.executable, '-m', 'train.sample', '--config', 'configs/var.py:tiny', '--ckpt', ckpt,
          '--out', out, '--labels', '1,2,3', '--num_images', '4', '--batch_size', '2', '--cfg', '2.0',
@@ -92,11 +92,11 @@ def test_every_variant_builds_and_official_ones_match_the_checkpoints():
     config = var_configs.get_config(variant)
     if config.family == 'vqvae':  # the tokenizer alone, shaped like its VAR config's
       base = var_configs.get_config(variant.removeprefix('vqvae_') if '_' in variant else 'd16')
-      assert models.vqvae_config(config) == models.var_configs(_portable(base))[1]
+      assert var_from_config.vqvae_config(config) == var_from_config.var_configs(_portable(base))[1]
       continue
-    var_cfg, vq_cfg = models.var_configs(_portable(config))
+    var_cfg, vq_cfg = var_from_config.var_configs(_portable(config))
     assert var_cfg.vocab_size == vq_cfg.vocab_size
-  var_cfg, vq_cfg = models.var_configs(_portable(var_configs.get_config('d24')))
+  var_cfg, vq_cfg = var_from_config.var_configs(_portable(var_configs.get_config('d24')))
   assert (var_cfg.depth, var_cfg.width, var_cfg.num_heads, vq_cfg.ch, vq_cfg.image_size) == (24, 1536, 24, 160, 256)
 
 
@@ -109,13 +109,13 @@ def test_bad_config_values_name_the_key(key, value, message):
   config = var_configs.get_config('tiny')
   config[key] = value
   with pytest.raises(ValueError, match=message):
-    models.var_configs(config)
+    var_from_config.var_configs(config)
 
 
 @pytest.mark.skipif(jax.default_backend() == 'gpu', reason='cudnn is available on a GPU')
 def test_cudnn_backend_without_a_gpu_is_a_clear_error():
   with pytest.raises(ValueError, match="attn_backend='cudnn' needs an NVIDIA GPU"):
-    models.var_configs(var_configs.get_config('d16'))
+    var_from_config.var_configs(var_configs.get_config('d16'))
 
 
 def test_unknown_variant_is_named():

@@ -9,11 +9,11 @@ from PIL import Image
 from configs import ecar as ecar_configs
 from configs import mar as mar_configs
 from configs import var as var_configs
-from train import models
 from train.data.sources import image_source
 from train.tasks import make_task
 from train.trainer import Trainer
 from var_models import checkpoint as params_ckpt
+from var_models.var import from_config as var_from_config
 
 
 def small_var():
@@ -61,7 +61,7 @@ def test_var_tiny_trains_samples_and_exports_what_train_sample_loads(tmp_path):
   assert grid.size[1] > 2 * 64   # one row per class, samples upscaled to >= 64 px
   assert any(f.startswith('events') for f in os.listdir(tmp_path / 'tensorboard'))
   assert params_ckpt.load_meta(str(tmp_path)) == {'family': 'var', 'step': 3, 'ema': True}
-  exported = models.load_var_params(*models.var_configs(config), str(tmp_path))
+  exported = var_from_config.load_var_params(*var_from_config.var_configs(config), str(tmp_path))
   np.testing.assert_array_equal(exported['var']['pos_start'], result.state.ema_params['pos_start'])
 
 

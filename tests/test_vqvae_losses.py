@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from configs import var as var_configs
-from train import models
 from train.tasks import make_task, random_stand_in
 from var_models import checkpoint
 from var_models.tokenizers.lpips import LPIPS
 from var_models.tokenizers.patch_discriminator import (BatchStatNorm, PatchDiscriminator, discriminator_hinge_loss,
                                             generator_loss, patch_grid)
 from var_models.tokenizers.vqvae import VQVAE
+from var_models.var import from_config as var_from_config
 
 KEY = jax.random.key(2)
 TERMS = ('base', 'generator', 'hinge')
@@ -58,7 +58,7 @@ def reference(setup):
   (-mean D(rec)) and 'hinge' (D's hinge loss on images and rec)."""
   config, _, params, (images, lpips_params), _ = setup
   q = config.loss
-  vq, disc = VQVAE(models.vqvae_config(config)), PatchDiscriminator(q.disc_channels, q.disc_layers)
+  vq, disc = VQVAE(var_from_config.vqvae_config(config)), PatchDiscriminator(q.disc_channels, q.disc_layers)
   logits = lambda d, x: disc.apply({'params': d}, x)
 
   def terms(both):
@@ -165,7 +165,7 @@ def test_init_and_export(setup):
   config, task, params, _, _ = setup
   trained, state = jax.eval_shape(task.init, jax.random.key(0))
   assert set(trained) == {'vqvae', 'disc'} and state['micro_steps'].shape == ()
-  vq_abstract = jax.eval_shape(lambda k: VQVAE(models.vqvae_config(config)).init(
+  vq_abstract = jax.eval_shape(lambda k: VQVAE(var_from_config.vqvae_config(config)).init(
       k, jnp.zeros((1, 16, 16, 3)))['params'], jax.random.key(0))
   checkpoint.check_tree(vq_abstract, task.export(trained), 'the export')
   assert task.export(params) is params['vqvae'] and task.names == ('vqvae', None)

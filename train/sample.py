@@ -30,6 +30,7 @@ from train import models
 from var_models import checkpoint
 from var_models.mar.sampler import check_mar_sample_args, make_mar_sampler
 from var_models.nn.checks import check_labels
+from var_models.var.from_config import init_var_params, load_var_params, var_configs
 from var_models.var.sampler import check_sample_args, make_sampler
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/{var,mar,ecar}.py:VARIANT', lock_config=True)
@@ -85,12 +86,12 @@ def _check_checkpoint_family(family: str) -> None:
 
 def _var_sampler(config, key, batch):
   """(sample(params, key, labels) -> images, params) for a VAR config."""
-  var_cfg, vq_cfg = models.var_configs(config)
+  var_cfg, vq_cfg = var_configs(config)
   s = config.sample
   opts = dict(cfg=_pick(_CFG, s.cfg), top_k=_pick(_TOP_K, s.top_k), top_p=_pick(_TOP_P, s.top_p))
   check_sample_args(var_cfg, np.zeros(1, np.int32), **opts)
-  params = (models.load_var_params(var_cfg, vq_cfg, _CKPT.value) if _CKPT.value
-            else models.init_var_params(var_cfg, vq_cfg, key))
+  params = (load_var_params(var_cfg, vq_cfg, _CKPT.value) if _CKPT.value
+            else init_var_params(var_cfg, vq_cfg, key))
   sampler = make_sampler(var_cfg, vq_cfg)
   return (lambda p, k, labels: sampler(p, k, labels, **opts)[0]), params
 

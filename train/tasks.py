@@ -41,6 +41,7 @@ from var_models.tokenizers.autoencoder_kl import AutoencoderKL, sample_posterior
 from var_models.tokenizers.patch_discriminator import PatchDiscriminator, discriminator_hinge_loss, generator_loss
 from var_models.tokenizers.vqvae import VQVAE
 from var_models.var import model as var_lib
+from var_models.var.from_config import var_configs, vqvae_config
 from var_models.var.sampler import check_sample_args, make_sampler
 
 Array = jax.Array
@@ -131,7 +132,7 @@ def _per_scale_nll(logits: Array, targets: Array, begin_ends) -> dict:
 
 
 def var_task(config) -> Task:
-  var_cfg, vq_cfg = models.var_configs(config)
+  var_cfg, vq_cfg = var_configs(config)
   model, vq = var_lib.VAR(var_cfg), VQVAE(vq_cfg)
   frozen = _frozen(config.vqvae_ckpt, 'vqvae', _vqvae_shapes, vq_cfg, config.train.seed + 1, 'vqvae_ckpt')
   begin_ends = var_cfg.schedule.begin_ends
@@ -274,7 +275,7 @@ def vqvae_task(config) -> Task:
   advanced by a skipped step), so gate = [micro_steps // grad_accum >= disc_start]. The
   metrics are the unweighted terms; the export is the VQVAE alone.
   """
-  vq_cfg = models.vqvae_config(config)
+  vq_cfg = vqvae_config(config)
   check_vqvae_loss(config, vq_cfg.image_size)
   q, dtype, accum = config.loss, models.compute_dtype(config), config.train.grad_accum
   vq, disc, lpips = VQVAE(vq_cfg), PatchDiscriminator(q.disc_channels, q.disc_layers, dtype), lpips_lib.LPIPS(dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Union
+from typing import Any, Hashable, Optional, Sequence, Union
 
 import flax.linen as nn
 import jax
@@ -64,15 +64,37 @@ class ResBlock(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: Array, y: Array, mod: Optional[Array] = None) -> Array:
-    """mod [N, 3w]: this block's adaLN output when the caller computed it (see `merged_adaln`)."""
+  def __call__(self, x: Array, y: Array, mod: Optional[Array] = None, hooks: Optional['HeadHooks'] = None,
+               index: int = 0, state: Any = None):
+    """mod [N, 3w]: this block's adaLN output when the caller computed it (see `merged_adaln`).
+    With `hooks` (a sampling policy's, see `HeadHooks`) returns (x, state), else x."""
     if mod is None:
       mod = _dense(3 * self.width, 'adaLN_modulation_1', self.dtype, _zeros)(nn.silu(y))
     shift, scale, gate = jnp.split(mod, 3, axis=-1)
-    h = nn.LayerNorm(epsilon=1e-6, use_fast_variance=False, dtype=self.dtype, name='in_ln')(x)
-    h = _dense(self.width, 'mlp_0', self.dtype)(modulate(h, shift, scale))
-    h = _dense(self.width, 'mlp_2', self.dtype)(nn.silu(h))
-    return x + gate * h
+
+    def mlp():
+      h = nn.LayerNorm(epsilon=1e-6, use_fast_variance=False, dtype=self.dtype, name='in_ln')(x)
+      h = _dense(self.width, 'mlp_0', self.dtype)(modulate(h, shift, scale))
+      return _dense(self.width, 'mlp_2', self.dtype)(nn.silu(h))
+
+    if hooks is None:
+      return x + gate * mlp()
+    return hooks.res_block(index, x, gate, mlp, state)
+
+
+class HeadHooks:
+  """One DiffLoss sampling step's hooks on the res blocks (a sampling policy's head cache, e.g.
+  LazyMAR's). The base runs every block."""
+  skipped: tuple[int, ...] = ()   # blocks that do not run at all: `skip` makes their output
+
+  def skip(self, index: int, x: Array, state: Any) -> tuple[Array, Any]:
+    """The output of skipped block `index` from its input x [N, w]."""
+    raise NotImplementedError(f'{type(self).__name__} skips block {index} but does not say how')
+
+  def res_block(self, index: int, x: Array, gate: Array, mlp, state: Any) -> tuple[Array, Any]:
+    """Block `index`'s output from its input x [N, w], its adaLN gate [N, w] and `mlp()` (the
+    block's LN, modulation and MLP of x [N, w], computed only if called)."""
+    return x + gate * mlp(), state
 
 
 class FinalLayer(nn.Module):
@@ -91,13 +113,14 @@ class FinalLayer(nn.Module):
     return _dense(self.out_channels, 'linear', self.dtype, _zeros)(modulate(h, shift, scale))
 
 
-def merged_adaln(params) -> tuple[Array, Array]:
-  """Every res block's and the final layer's adaLN Linear, concatenated (they all read the same
-  SiLU(y)): (kernel [w, (3 depth + 2) w], bias). One GEMM then replaces depth + 1; built once
-  outside a sampling loop, it also keeps XLA from re-concatenating the weights at every step
-  when it merges those GEMMs itself."""
-  depth = sum(1 for k in params if k.startswith('res_blocks_'))
-  layers = [params[f'res_blocks_{i}']['adaLN_modulation_1'] for i in range(depth)]
+def merged_adaln(params, blocks: Optional[Sequence[int]] = None) -> tuple[Array, Array]:
+  """The adaLN Linears of the res blocks `blocks` (default: all) and of the final layer, concatenated
+  (they all read the same SiLU(y)): (kernel [w, (3 len(blocks) + 2) w], bias). One GEMM then
+  replaces len(blocks) + 1; built once outside a sampling loop, it also keeps XLA from
+  re-concatenating the weights at every step when it merges those GEMMs itself."""
+  if blocks is None:
+    blocks = range(sum(1 for k in params if k.startswith('res_blocks_')))
+  layers = [params[f'res_blocks_{i}']['adaLN_modulation_1'] for i in blocks]
   layers.append(params['final_layer']['adaLN_modulation_1'])
   return (jnp.concatenate([l['kernel'] for l in layers], axis=1),
           jnp.concatenate([l['bias'] for l in layers]))
@@ -124,17 +147,34 @@ class SimpleMLPAdaLN(nn.Module):
 
   def __call__(self, x: Array, t: Array, c: Array, adaln: Optional[tuple[Array, Array]] = None) -> Array:
     """adaln: `merged_adaln(params)`, to run every adaLN Linear as one GEMM (the same values)."""
+    return self._trunk(x, t, c, adaln, None, None)[0]
+
+  def forward_hooked(self, x: Array, t: Array, c: Array, adaln: tuple[Array, Array], hooks: HeadHooks,
+                     state: Any) -> tuple[Array, Any]:
+    """`__call__` through a policy's `hooks`, carrying its `state`; adaln is `merged_adaln(params,
+    blocks)` of the blocks that run (those not in hooks.skipped). -> (out [N, out], state)."""
+    return self._trunk(x, t, c, adaln, hooks, state)
+
+  def _trunk(self, x, t, c, adaln, hooks, state):
     h = self.input_proj(x)
     y = self.time_embed(t) + self.cond_embed(c)
-    mods = [None] * (self.num_res_blocks + 1)
+    skipped = () if hooks is None else hooks.skipped
+    run = [i for i in range(self.num_res_blocks) if i not in skipped]
+    mods = [None] * (len(run) + 1)
     if adaln is not None:
       kernel, bias = adaln
       w = self.model_channels
       out = jnp.dot(nn.silu(y).astype(self.dtype), kernel.astype(self.dtype)) + bias.astype(self.dtype)
-      mods = jnp.split(out, np.cumsum([3 * w] * self.num_res_blocks), axis=-1)
-    for block, mod in zip(self.res_blocks, mods):
-      h = block(h, y, mod)
-    return self.final_layer(h, y, mods[-1]).astype(jnp.float32)
+      mods = jnp.split(out, np.cumsum([3 * w] * len(run)), axis=-1)
+    mod_of = dict(zip(run, mods))
+    for i, block in enumerate(self.res_blocks):
+      if hooks is None:
+        h = block(h, y, mod_of[i])
+      elif i in skipped:
+        h, state = hooks.skip(i, h, state)
+      else:
+        h, state = block(h, y, mod_of[i], hooks, i, state)
+    return self.final_layer(h, y, mods[-1]).astype(jnp.float32), state
 
   def forward_with_cfg(self, x: Array, t: Array, c: Array, cfg_scale,
                        adaln: Optional[tuple[Array, Array]] = None) -> Array:
@@ -204,6 +244,52 @@ def diffloss_model_fn(net: SimpleMLPAdaLN, params, z: Array, cfg_scale, guided: 
     return lambda x, t, i: net.apply({'params': params}, x, t, z, cfg_scale, adaln,
                                      method=SimpleMLPAdaLN.forward_with_cfg)
   return lambda x, t, i: net.apply({'params': params}, x, t, z, adaln)
+
+
+class HeadCache:
+  """What a sampling policy does in one guided DiffLoss sampling loop (e.g. LazyMAR's head cache).
+  Every loop step i (t = T-1-i) has a static *kind* (`kinds`); per kind the policy says whether the
+  unconditional half runs (`uncond`), which `HeadHooks` the res blocks get, and how the guided eps
+  is made (`guide`, which may cache); its `state` lives for one loop. The base caches nothing."""
+
+  def kinds(self, num_steps: int) -> tuple[Hashable, ...]:
+    return (None,) * num_steps
+
+  def init_state(self, rows: int, width: int, depth: int, channels: int) -> Any:
+    return None
+
+  def uncond(self, kind: Hashable) -> bool:
+    return True
+
+  def hooks(self, kind: Hashable) -> HeadHooks:
+    return HeadHooks()
+
+  def guide(self, kind: Hashable, eps_c: Array, eps_u: Optional[Array], cfg_scale, state: Any):
+    """The guided eps [R, C] from the conditional eps_c and the unconditional eps_u [R, C] (None
+    when the step skipped that half) -> (eps, state)."""
+    return eps_u + cfg_scale * (eps_c - eps_u), state
+
+
+def diffloss_sample_cached(net: SimpleMLPAdaLN, params, z: Array, x_T: Array, noise_fn, temperature, cfg_scale,
+                           cache: HeadCache, diffusion: GaussianDiffusion) -> Array:
+  """Guided sampling through a policy's `cache`: z = [cond; uncond] [2R, Cz], x_T [R, C]. Only
+  the conditional rows' x is carried: `forward_with_cfg` denoises both halves from it and the
+  unconditional rows' samples are never used. noise_fn(i) -> [R, C]. Returns the tokens [R, C]."""
+  r, c = x_T.shape
+  kinds = cache.kinds(diffusion.num_timesteps)
+  run = lambda kind: [i for i in range(net.num_res_blocks) if i not in cache.hooks(kind).skipped]
+  adaln = {kind: merged_adaln(params, run(kind)) for kind in dict.fromkeys(kinds)}
+
+  def model_fn(kind, x, t, i, state):
+    both = cache.uncond(kind)
+    x, t, cond = (jnp.concatenate([x, x]), jnp.concatenate([t, t]), z) if both else (x, t, z[:r])
+    out, state = net.apply({'params': params}, x, t, cond, adaln[kind], cache.hooks(kind), state,
+                           method=SimpleMLPAdaLN.forward_hooked)
+    eps, state = cache.guide(kind, out[:r, :c], out[r:, :c] if both else None, cfg_scale, state)
+    return jnp.concatenate([eps, out[:r, c:]], axis=1), state
+
+  state = cache.init_state(r, net.model_channels, net.num_res_blocks, c)
+  return diffusion.p_sample_loop_stepped(kinds, model_fn, x_T, noise_fn, temperature, state)[0]
 
 
 def diffloss_sample(net: SimpleMLPAdaLN, params, z: Array, key: Array, temperature, cfg_scale, *,

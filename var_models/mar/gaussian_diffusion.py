@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -189,6 +189,38 @@ class GaussianDiffusion:
       raise ValueError(f'noises shape {noises.shape} != {(self.num_timesteps,) + x_T.shape}')
     return self._loop(model_fn, x_T, lambda i: noises[i], temperature, step_fn)
 
+  def p_sample_loop_stepped(self, kinds: Sequence[Hashable], model_fn, x_T: Array, noise_fn, temperature,
+                            state: Any) -> tuple[Array, Any]:
+    """The sampling loop with a static kind per loop step i (t = T-1-i) and a state threaded
+    through it: model_fn(kind, x, t_model [N], i, state) -> (out [N, 2C], state); noise_fn(i) ->
+    [N, C]. Runs of equal kinds, and patterns of runs repeated back to back, are each one
+    `fori_loop`, so a periodic schedule traces each kind a few times. -> (x_0 [N, C], state)."""
+    if len(kinds) != self.num_timesteps:
+      raise ValueError(f'{len(kinds)} step kinds for a {self.num_timesteps}-step process')
+    n, steps = x_T.shape[0], self.num_timesteps
+
+    def step(kind, i, carry):
+      x, state = carry
+      t = jnp.full((n,), steps - 1 - i, jnp.int32)
+      out, state = model_fn(kind, x, self.model_timesteps(t), i, state)
+      return self.p_sample(out, x, t, noise_fn(i), temperature), state
+
+    def pattern(runs, period, start, r, carry):
+      i = start + r * period
+      for kind, length in runs:
+        one = functools.partial(step, kind)
+        carry = one(i, carry) if length == 1 else jax.lax.fori_loop(i, i + length, one, carry)
+        i = i + length
+      return carry
+
+    carry, start = (x_T, state), 0
+    for reps, runs in fold_runs(kinds):
+      period = sum(length for _, length in runs)
+      body = functools.partial(pattern, runs, period, start)
+      carry = body(0, carry) if reps == 1 else jax.lax.fori_loop(0, reps, body, carry)
+      start += reps * period
+    return carry
+
   def _loop(self, model_fn, x_T, noise_fn, temperature, step_fn):
     step = step_fn or self.p_sample
     n, steps = x_T.shape[0], self.num_timesteps
@@ -198,6 +230,30 @@ class GaussianDiffusion:
       return step(model_fn(x, self.model_timesteps(t), i), x, t, noise_fn(i), temperature)
 
     return jax.lax.fori_loop(0, steps, body, x_T)
+
+
+def fold_runs(kinds: Sequence[Hashable],
+              max_period: int = 4) -> list[tuple[int, tuple[tuple[Hashable, int], ...]]]:
+  """kinds -> [(repeats, ((kind, run length), ...))]: runs of equal kinds, with up to `max_period`
+  runs repeated back to back folded into one pattern (the longest cover wins)."""
+  runs: list[tuple[Hashable, int]] = []
+  for k in kinds:
+    if runs and runs[-1][0] == k:
+      runs[-1] = (k, runs[-1][1] + 1)
+    else:
+      runs.append((k, 1))
+  out, p = [], 0
+  while p < len(runs):
+    best = (1, 1)
+    for period in range(1, max_period + 1):
+      reps = 1
+      while runs[p + reps * period:p + (reps + 1) * period] == runs[p:p + period]:
+        reps += 1
+      if reps > 1 and reps * period > best[0] * best[1]:
+        best = (reps, period)
+    out.append((best[0], tuple(runs[p:p + best[1]])))
+    p += best[0] * best[1]
+  return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,9 @@
 """Sampling policies of MAR: what each iteration computes, forwards and caches.
 
-The MAR sampler runs its iterations as segments of equal static *plans*, one
-`lax.scan` per segment, and at every iteration asks its policy:
+The MAR sampler first binds its policy to the model, the iteration count, the guidance and
+the head's step count (`bind`: settings that do not fit them are an error before anything
+compiles), runs its iterations as segments of equal static *plans*, one `lax.scan` per
+segment, and at every iteration asks its policy:
   - `plan`: one `IterPlan` per iteration: whether the unconditional half of the
     CFG batch runs, and a static tag of the policy's own (say, how many tokens the
     decoder forwards); consecutive equal plans share one compiled scan body;
@@ -10,9 +12,15 @@ The MAR sampler runs its iterations as segments of equal static *plans*, one
   - `encoder_hooks` / `decoder_hooks`: per block, which tokens each sub-layer
     forwards, which keys and values they attend to (`BlockHooks.kv`: the cached
     K/V of the others) and how the others are restored (cached features);
-  - `guidance`: the unconditional half of the decoder output z when the plan
-    skips it (e.g. cond + a cached uncond - cond delta), and what a full
-    iteration leaves in the cache;
+  - `decoder_input`: the decoder's input to run (e.g. cached rows where the
+    encoder output did not change);
+  - `guidance`: the unconditional half of the decoder blocks' output (before the
+    decoder norm) when the plan skips it (e.g. cond + a cached uncond - cond
+    delta), and what a full iteration leaves in the cache;
+  - `head_cache`: a `diffloss.HeadCache` for the iteration's DiffLoss sampling
+    loop (per-step kinds, res-block hooks, guidance from cached deltas), or None;
+  - `record`: the iteration's caching decisions, stacked into the sampler's
+    aux['iterations'] when it is made with record=True;
 and carries the policy's `state` (its caches) through the scan as a pytree.
 LazyMAR (`accel`) subclasses `MARPolicy`. The base class is the baseline: every
 token, both halves, no caches; it adds no operation, so a baseline sampler
@@ -25,6 +33,7 @@ from typing import Any, Hashable, Optional, Sequence
 
 import jax
 
+from var_models.mar.diffloss import HeadCache
 from var_models.nn.blocks import BlockHooks
 
 Array = jax.Array
@@ -48,6 +57,11 @@ class IterInfo:
 class MARPolicy:
   """The baseline policy."""
 
+  def bind(self, cfg: Any, num_iter: int, guided: bool, diffusion_steps: int) -> 'MARPolicy':
+    """The policy for this `MARConfig`, iteration count, guidance and head step count (the base
+    needs none); raises ValueError naming the setting that does not fit them."""
+    return self
+
   def plan(self, num_iter: int) -> tuple[IterPlan, ...]:
     return (IterPlan(),) * num_iter
 
@@ -66,13 +80,26 @@ class MARPolicy:
     """One `BlockHooks` (or None) per decoder block, or None for plain blocks."""
     return None
 
-  def guidance(self, plan: IterPlan, z: Array, state: Any) -> tuple[Array, Any]:
-    """The decoder output of both CFG halves [2B, N, Cd] from z: [2B, N, Cd] when the plan
-    ran both, [B, N, Cd] (conditional) when it skipped the unconditional half."""
+  def decoder_input(self, plan: IterPlan, x: Array, state: Any) -> tuple[Array, Any]:
+    """The decoder input to run [rows, buffer + N, Cd] from the fresh one x."""
+    return x, state
+
+  def guidance(self, plan: IterPlan, x: Array, state: Any) -> tuple[Array, Any]:
+    """The decoder blocks' output (before the decoder norm) of both CFG halves [2B, buffer + N,
+    Cd] from x: [2B, ...] when the plan ran both halves, [B, ...] (conditional) when it skipped
+    the unconditional one."""
     if not plan.uncond:
       raise NotImplementedError(f'{type(self).__name__} skips the unconditional half but does not '
                                 'say how to make it: override `guidance`')
-    return z, state
+    return x, state
+
+  def head_cache(self, plan: IterPlan) -> Optional[HeadCache]:
+    """The DiffLoss sampling loop's cache at this iteration (guided samplers only), or None."""
+    return None
+
+  def record(self, plan: IterPlan, state: Any) -> dict:
+    """The iteration's caching decisions {name: array}, the same keys and shapes at every plan."""
+    return {}
 
 
 BASELINE = MARPolicy()

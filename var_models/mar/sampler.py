@@ -6,6 +6,15 @@
 `params = {'mar': ..., 'vae': ...}`; images [B, H, W, 3] in [0, 1]; aux['tokens']
 [B, N, D] the sampled latent tokens (scaled as MAR sees them).
 
+For comparisons with other implementations the call also takes the random draws
+(`orders` [B, N], each sample's token order; `noises`, the head's initial and
+per-step noise of every iteration, see `check_noises`) and `forced_tokens`
+[num_iter, B, N, D] (teacher forcing: each iteration's sampled tokens are replaced
+by these before the next one). A sampler made with record=True returns per
+iteration (aux['iterations'], each [num_iter, ...]) the predicted positions
+'pred' [B, P] (padded with N), the sampled tokens 'sampled' [B, P, D] and the
+policy's caching decisions (`MARPolicy.record`).
+
 Each iteration runs the MAE encoder on the known tokens and the decoder on all
 positions, then the diffusion head samples the tokens the cosine schedule
 predicts at that iteration, in a per-sample random order. Every per-iteration
@@ -34,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from var_models.mar.diffloss import diffloss_sample
+from var_models.mar.diffloss import diffloss_model_fn, diffloss_sample, diffloss_sample_cached
 from var_models.mar.gaussian_diffusion import create_diffusion
 from var_models.mar.model import MAR, MARConfig, diffloss_net, key_mask
 from var_models.mar.policy import BASELINE, IterInfo, IterPlan, MARPolicy, check_plans, segments
@@ -85,6 +94,17 @@ def check_mar_sample_args(cfg: MARConfig, labels, guidance: float, guided: bool,
     raise ValueError(f'temperature must be > 0, got {temperature}')
 
 
+def check_noises(noises, num_iter: int, batch: int, max_pred: int, steps: int, channels: int) -> None:
+  """noises = {'init': [num_iter, B, P, D] (each iteration's initial head noise of the conditional
+  rows, repeated for the unconditional half), 'steps': [num_iter, T, 2, B, P, D] (each step's noise
+  of the [cond, uncond] halves)}; row p < n_pred of an iteration is its p-th predicted position
+  in ascending order, the other rows are padding."""
+  want = {'init': (num_iter, batch, max_pred, channels), 'steps': (num_iter, steps, 2, batch, max_pred, channels)}
+  got = {k: np.shape(noises[k]) if isinstance(noises, dict) and k in noises else None for k in want}
+  if got != want:
+    raise ValueError(f'noises must be {{name: shape}} {want}, got {got}')
+
+
 def _ranks(order: Array) -> Array:
   """order [B, N] (a permutation per sample) -> rank [B, N] of every position in it."""
   b, n = order.shape
@@ -93,68 +113,92 @@ def _ranks(order: Array) -> Array:
 
 class _MARSampler:
   def __init__(self, mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, num_iter: int, guided: bool,
-               num_diffusion_steps: Optional[int], policy: MARPolicy):
-    self.cfg, self.guided, self.policy = mar_cfg, guided, policy
+               num_diffusion_steps: Optional[int], policy: MARPolicy, record: bool):
+    self.cfg, self.guided, self.record = mar_cfg, guided, record
     self.model, self.vae = MAR(mar_cfg), AutoencoderKL(vae_cfg)
     self.head = diffloss_net(mar_cfg)
     self.diffusion = create_diffusion(num_diffusion_steps or mar_cfg.num_sampling_steps)
     self.sched = mask_schedule(mar_cfg.seq_len, num_iter)
+    self.policy = policy = policy.bind(mar_cfg, num_iter, guided, self.diffusion.num_timesteps)
     self.plans = policy.plan(num_iter)
     check_plans(self.plans, num_iter)
     self.vae_scale = vae_cfg.scaling_factor
     self._jitted = jax.jit(self._sample, static_argnames=('cfg_schedule',))
 
   def __call__(self, params, key, labels, *, cfg: float = 1.0, cfg_schedule: str = 'linear',
-               temperature: float = 1.0):
-    args, static = self._checked(params, key, labels, cfg, cfg_schedule, temperature)
+               temperature: float = 1.0, orders=None, noises=None, forced_tokens=None):
+    args, static = self._checked(params, key, labels, cfg, cfg_schedule, temperature, orders, noises,
+                                 forced_tokens)
     return self._jitted(*args, **static)
 
   def lower(self, params, key, labels, *, cfg: float = 1.0, cfg_schedule: str = 'linear',
-            temperature: float = 1.0):
+            temperature: float = 1.0, orders=None, noises=None, forced_tokens=None):
     """The lowered program (for compile-time and FLOP accounting)."""
-    args, static = self._checked(params, key, labels, cfg, cfg_schedule, temperature)
+    args, static = self._checked(params, key, labels, cfg, cfg_schedule, temperature, orders, noises,
+                                 forced_tokens)
     return self._jitted.lower(*args, **static)
 
-  def _checked(self, params, key, labels, cfg, cfg_schedule, temperature):
+  def _checked(self, params, key, labels, cfg, cfg_schedule, temperature, orders, noises, forced):
     """Validates the arguments (before anything compiles) -> (traced args, static kwargs)."""
     check_mar_sample_args(self.cfg, labels, cfg, self.guided, cfg_schedule, temperature)
-    return ((params, key, jnp.asarray(labels, jnp.int32), jnp.float32(cfg), jnp.float32(temperature)),
-            dict(cfg_schedule=cfg_schedule))
+    b, (n, d), num_iter = len(labels), (self.cfg.seq_len, self.cfg.token_embed_dim), len(self.plans)
+    if orders is not None and (np.shape(orders) != (b, n) or
+                               (np.sort(np.asarray(orders), axis=1) != np.arange(n)).any()):
+      raise ValueError(f'orders must be one permutation of range({n}) per sample [{b}, {n}]')
+    if noises is not None:
+      check_noises(noises, num_iter, b, self.sched.max_pred, self.diffusion.num_timesteps, d)
+      noises = {k: jnp.asarray(noises[k], jnp.float32) for k in ('init', 'steps')}
+    if forced is not None and np.shape(forced) != (num_iter, b, n, d):
+      raise ValueError(f'forced_tokens must be [num_iter, B, N, D] = {(num_iter, b, n, d)}, '
+                       f'got {np.shape(forced)}')
+    args = (params, key, jnp.asarray(labels, jnp.int32), jnp.float32(cfg), jnp.float32(temperature))
+    if orders is not None or noises is not None or forced is not None:   # else the program keeps 5 arguments
+      args += (dict(orders=None if orders is None else jnp.asarray(orders, jnp.int32), noises=noises,
+                    forced=None if forced is None else jnp.asarray(forced, jnp.float32)),)
+    return args, dict(cfg_schedule=cfg_schedule)
 
-  def _sample(self, params, key, labels, cfg, temperature, *, cfg_schedule):
+  def _sample(self, params, key, labels, cfg, temperature, draws=None, *, cfg_schedule):
+    draws = draws or dict(orders=None, noises=None, forced=None)
     head = dense_params_in(params['mar']['diffloss'], self.cfg.dtype)
     params = {**params, 'mar': {**params['mar'], 'diffloss': head}}
     mc, mp = self.cfg, {'params': params['mar']}
     b, n, d = labels.shape[0], mc.seq_len, mc.token_embed_dim
     key, k_order = jax.random.split(key)
-    order = jax.vmap(lambda k: jax.random.permutation(k, n))(jax.random.split(k_order, b)).astype(jnp.int32)
+    order = draws['orders']
+    if order is None:
+      order = jax.vmap(lambda k: jax.random.permutation(k, n))(jax.random.split(k_order, b)).astype(jnp.int32)
     rank = _ranks(order)
     class_emb = self.model.apply(mp, labels, method=MAR.class_embedding)
     if self.guided:
       class_emb = jnp.concatenate([class_emb, self.model.apply(mp, b, method=MAR.fake_class)])
     s = self.sched
-    per_step = (jnp.arange(len(s.masked)), jnp.asarray(s.masked), jnp.asarray(s.mask_len), jnp.asarray(s.n_pred))
+    per_step = dict(i=jnp.arange(len(s.masked)), masked=jnp.asarray(s.masked), mask_len=jnp.asarray(s.mask_len),
+                    n_pred=jnp.asarray(s.n_pred), noises=draws['noises'], forced=draws['forced'])
 
     def step(plan, carry, xs):
-      i, masked, mask_len, n_pred = xs
-      guidance = cfg if cfg_schedule == 'constant' else 1 + (cfg - 1) * (n - mask_len) / n
-      return self._iteration(params, plan, jax.random.fold_in(key, i), carry, rank, order, class_emb,
-                             (i, masked, n_pred), guidance, temperature), None
+      guidance = cfg if cfg_schedule == 'constant' else 1 + (cfg - 1) * (n - xs['mask_len']) / n
+      return self._iteration(params, plan, jax.random.fold_in(key, xs['i']), carry, rank, order, class_emb, xs,
+                             guidance, temperature)
 
-    carry = (jnp.zeros((b, n, d), jnp.float32), self.policy.init_state(b, self.guided))
+    carry, records = (jnp.zeros((b, n, d), jnp.float32), self.policy.init_state(b, self.guided)), []
     for start, end, plan in segments(self.plans):
-      carry, _ = jax.lax.scan(functools.partial(step, plan), carry, tuple(a[start:end] for a in per_step))
+      xs = jax.tree_util.tree_map(lambda a: a[start:end], per_step)
+      carry, rec = jax.lax.scan(functools.partial(step, plan), carry, xs)
+      records.append(rec)
     tokens = carry[0]
     latents = self.model.apply(mp, tokens, method=MAR.unpatchify) / self.vae_scale
     images = self.vae.apply({'params': params['vae']}, latents, method=AutoencoderKL.decode)
-    return jnp.clip((images + 1) * 0.5, 0, 1), {'tokens': tokens}
+    aux = {'tokens': tokens}
+    if self.record:
+      aux['iterations'] = jax.tree_util.tree_map(lambda *r: jnp.concatenate(r), *records)
+    return jnp.clip((images + 1) * 0.5, 0, 1), aux
 
-  def _iteration(self, params, plan: IterPlan, key, carry, rank, order, class_emb, counts, guidance,
-                 temperature):
+  def _iteration(self, params, plan: IterPlan, key, carry, rank, order, class_emb, xs, guidance, temperature):
     """One MAR iteration: encode the known tokens, decode all, sample the next ones.
-    carry = (tokens [B, N, D], policy state); counts = (index, masked, n_pred) of the iteration."""
+    carry = (tokens [B, N, D], policy state); xs: the iteration's counts and draws (see `_sample`).
+    -> (carry, the iteration's record or None)."""
     mp, policy = {'params': params['mar']}, self.policy
-    (tokens, state), (i, masked, n_pred) = carry, counts
+    (tokens, state), (i, masked, n_pred) = carry, (xs['i'], xs['masked'], xs['n_pred'])
     b, n = tokens.shape[:2]
     mask = rank < masked
     idx = self._pred_positions(order, masked, n_pred)
@@ -165,17 +209,21 @@ class _MARSampler:
     x, state = self.model.apply(mp, x, key_mask(self.cfg, m2), policy.encoder_hooks(plan, self.cfg.encoder_depth),
                                 state, method=MAR.run_encoder)
     x = self.model.apply(mp, x, m2, method=MAR.decoder_input)
+    x, state = policy.decoder_input(plan, x, state)
     x, state = self.model.apply(mp, x, policy.decoder_hooks(plan, self.cfg.decoder_depth), state,
                                 method=MAR.run_decoder)
-    z = self.model.apply(mp, x, method=MAR.decoder_output)
     if self.guided:
-      z, state = policy.guidance(plan, z, state)
+      x, state = policy.guidance(plan, x, state)
+    z = self.model.apply(mp, x, method=MAR.decoder_output)
     gather = jnp.minimum(idx, n - 1)
     z_sel = jnp.take_along_axis(z, (jnp.concatenate([gather, gather]) if self.guided else gather)[..., None], axis=1)
-    new = self._head_sample(params, key, z_sel.reshape(-1, z.shape[-1]), guidance, temperature)
+    new = self._head_sample(params, plan, key, xs['noises'], z_sel.reshape(-1, z.shape[-1]), guidance, temperature)
+    new = new.reshape(idx.shape + (tokens.shape[-1],))
+    used = new if xs['forced'] is None else jnp.take_along_axis(xs['forced'], gather[..., None], axis=1)
     # Padding rows carry the out-of-range position N and are dropped.
-    tokens = tokens.at[jnp.arange(b)[:, None], idx].set(new.reshape(idx.shape + (tokens.shape[-1],)), mode='drop')
-    return tokens, state
+    tokens = tokens.at[jnp.arange(b)[:, None], idx].set(used, mode='drop')
+    record = dict(pred=idx, sampled=new, **policy.record(plan, state)) if self.record else None
+    return (tokens, state), record
 
   def _pred_positions(self, order, masked, n_pred):
     """Positions [B, P] predicted this iteration, ascending as the official nonzero() order;
@@ -185,18 +233,36 @@ class _MARSampler:
         jnp.concatenate([order, jnp.zeros_like(order[:, :p])], axis=1), masked - n_pred, p, axis=1)
     return jnp.sort(jnp.where(jnp.arange(p) < n_pred, window, n), axis=1)
 
-  def _head_sample(self, params, key, z, guidance, temperature):
+  def _head_sample(self, params, plan, key, noises, z, guidance, temperature):
     """Diffusion-head sampling of rows z [R, Cd] ([cond; uncond] halves with guidance) -> the
-    conditional rows' tokens [R or R/2, D]."""
-    out = diffloss_sample(self.head, params['mar']['diffloss'], z, key, temperature, guidance,
-                          guided=self.guided, diffusion=self.diffusion)
+    conditional rows' tokens [R or R/2, D]; noises: the iteration's draws (see `check_noises`) or
+    None (drawn from key)."""
+    net, head, cache = self.head, params['mar']['diffloss'], self.policy.head_cache(plan)
+    if cache is None and noises is None:
+      out = diffloss_sample(net, head, z, key, temperature, guidance, guided=self.guided, diffusion=self.diffusion)
+    elif cache is None:
+      x_t = noises['init'].reshape(-1, net.in_channels)
+      x_t = jnp.concatenate([x_t, x_t]) if self.guided else x_t
+      steps = noises['steps'].reshape(self.diffusion.num_timesteps, -1, net.in_channels)
+      model_fn = diffloss_model_fn(net, head, z, guidance, self.guided)
+      out = self.diffusion.p_sample_loop_with_noises(model_fn, x_t, steps[:, :x_t.shape[0]], temperature)
+    else:
+      rows, c = z.shape[0] // 2, net.in_channels
+      if noises is None:   # the draws of `diffloss_sample`, conditional rows only
+        k_init, k_loop = jax.random.split(key)
+        x_t = jax.random.normal(k_init, (rows, c), jnp.float32)
+        noise_fn = lambda i: jax.random.normal(jax.random.fold_in(k_loop, i), (2 * rows, c), jnp.float32)[:rows]
+      else:
+        x_t, noise_fn = noises['init'].reshape(rows, c), lambda i: noises['steps'][i, 0].reshape(rows, c)
+      return diffloss_sample_cached(net, head, z, x_t, noise_fn, temperature, guidance, cache, self.diffusion)
     return out[:z.shape[0] // 2] if self.guided else out
 
 
 def make_mar_sampler(mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, *, num_iter: int = 64,
                      guided: bool = True, num_diffusion_steps: Optional[int] = None,
-                     policy: MARPolicy = BASELINE):
+                     policy: MARPolicy = BASELINE, record: bool = False):
   """A pure, jit-compiled MAR sampler `sample(params, key, labels, *, cfg, cfg_schedule,
-  temperature) -> (images, aux)`. `guided` (static) doubles the batch for CFG; `policy`
-  chooses what each iteration computes (the baseline: everything)."""
-  return _MARSampler(mar_cfg, vae_cfg, num_iter, guided, num_diffusion_steps, policy)
+  temperature, orders, noises, forced_tokens) -> (images, aux)`. `guided` (static) doubles the
+  batch for CFG; `policy` chooses what each iteration computes (the baseline: everything);
+  `record` adds aux['iterations'] (see the module docstring)."""
+  return _MARSampler(mar_cfg, vae_cfg, num_iter, guided, num_diffusion_steps, policy, record)

@@ -99,10 +99,11 @@ class _Sampler:
   def __init__(self, var_cfg: VARConfig, vq_cfg: VQVAEConfig, policy: ScalePolicy,
                return_fhats: bool, return_logits: bool):
     check_configs(var_cfg, vq_cfg)
-    self.var_cfg, self.policy = var_cfg, policy
+    self.var_cfg = var_cfg
     self.model, self.vq = VAR(var_cfg), VQVAE(vq_cfg)
     self.sched = var_cfg.schedule
-    self.steps = policy.plan(self.sched)
+    self.policy = policy.bind(self.sched, var_cfg.depth)
+    self.steps = self.policy.plan(self.sched)
     check_plan(self.steps, self.sched)
     self.return_fhats, self.return_logits = return_fhats, return_logits
     self._jitted = jax.jit(self._sample, static_argnames=('top_k', 'top_p'))
@@ -144,6 +145,7 @@ class _Sampler:
           state=state, method=VAR.run_blocks)
       logits = self.model.apply(vp, h, cond2, method=VAR.logits)
       key, f_hat = self._sample_step(key, step, logits, sel, cfg, f_hat, qp, aux, top_k, top_p)
+      state = policy.after_step(step_idx, step, f_hat, state)
     images = (self.vq.apply(qp, f_hat, method=VQVAE.fhat_to_img) + 1) * 0.5
     aux = {k: v for k, v in aux.items() if v}
     return images, aux
@@ -151,19 +153,23 @@ class _Sampler:
   def _step_mask(self, step: Step, cached_levels, sel, hooks):
     """(the policy's layout for the step, the cached keys' levels after it).
 
-    Levels stay static only while every token is forwarded, so a step of several
-    scales (which needs them for its scale-causal mask) cannot follow or do pruning.
+    Levels stay static while every block forwards the same tokens and the policy says how
+    many of each scale it forwards (`input_counts`); a step of several scales needs them for
+    its scale-causal mask, so it cannot follow or do pruning that leaves them unknown.
     """
-    pruned = sel is not None or hooks is not None
-    if len(step.scales) > 1 and (pruned or cached_levels is None):
-      raise ValueError(f'step {step} decodes several scales: no pruning may precede or join it')
-    levels = self.sched.level_ids()
-    q_levels = np.concatenate([levels[slice(*self.sched.begin_ends[si])] for si in step.scales])
-    if len(step.scales) == 1:
-      mask = None
-    else:
+    counts = self.policy.input_counts(step)
+    if sel is not None and counts is not None and sel.shape[1] != sum(counts):
+      raise ValueError(f'step {step}: select_input forwards {sel.shape[1]} tokens, input_counts says {counts}')
+    known = cached_levels is not None and hooks is None and (sel is None or counts is not None)
+    if len(step.scales) > 1 and not known:
+      raise ValueError(f'step {step} decodes several scales: no pruning of unknown counts may precede or join it')
+    if counts is None:
+      counts = tuple(self.sched.lengths[si] for si in step.scales)
+    q_levels = np.repeat(np.asarray(step.scales, np.int32), counts)
+    mask = None
+    if len(step.scales) > 1:
       mask = self.policy.attn_mask(step, q_levels, np.concatenate([cached_levels, q_levels]))
-    return mask, (None if pruned or cached_levels is None else np.concatenate([cached_levels, q_levels]))
+    return mask, (np.concatenate([cached_levels, q_levels]) if known else None)
 
   def _sample_step(self, key, step, logits, sel, cfg, f_hat, qp, aux, top_k, top_p):
     """Guides, samples and adds the codes of every scale of the step to f_hat."""

@@ -1,0 +1,305 @@
+"""Accelerated next-scale samplers against our own unaccelerated one, side by side in one process.
+
+  python benchmarks/accel.py --models infinity_2b,d30 --batches 1,8 --profile /tmp/accel_prof
+
+Models (random weights, official init; VAR weights stored in bf16, bf16 compute, cuDNN
+attention on both sides; cfg 1.5, top-k 900, top-p 0.96):
+  infinity_2b -- a VAR of Infinity-2B's transformer shape (depth 32, width 2048, 16 heads, head
+                 dim 128) on the 13-scale 1024 px schedule, with VAR's 4096-code head and its
+                 VQVAE decoding 1024 px (Infinity's bitwise tokenizer and text encoder are not
+                 ported); policies fastvar:infinity_2b and fastvar:hart;
+  d30         -- VAR-d30 at 256 px; policy fastvar:var256;
+  smoke       -- a 2-block VAR at 256 px, for checking this script on a CPU (--attn xla).
+Every sampler is lowered in turn and compiled in a pool of --compile_workers threads (compile
+seconds are each program's own wall time, under that contention), then, after --wait_for
+exists (so the compiles can overlap other GPU work), each is timed alone: medians of --iters
+calls after --warmup calls, a fresh key per call, timed on the host after block_until_ready.
+'decoder' is the VQVAE decoder (f_hat -> image) compiled and timed alone at the same batch;
+'no decoder' = the sampler's median - the decoder's (the papers time without it). Peak memory
+is XLA's buffer assignment of the compiled program (weights, temporaries, outputs).
+--profile traces one call of each sampler at the first batch and splits its kernels into GEMMs,
+attention (per scale, where one kernel runs per scale and block), convolutions and the rest:
+the baseline's split is every accelerator's ceiling.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+
+# Run as a script, this file's folder comes first on the path and its name would shadow the
+# `accel` package: look the package up first, this folder's helpers (timing) after it.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or '.') != _HERE] + [_HERE]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from accel import policy_from_spec  # noqa: E402
+from accel.compare import peak_bytes  # noqa: E402
+from timing import call_times, device_events  # noqa: E402
+from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig  # noqa: E402
+from var_models.var.from_config import init_var_params  # noqa: E402
+from var_models.var.model import VARConfig  # noqa: E402
+from var_models.var.sampler import make_sampler  # noqa: E402
+from var_models.var.schedules import INFINITY_1024, VAR_256  # noqa: E402
+
+LAZYVAR_INFINITY = ('infinity_2b', 'no_pgd', 'no_cum', 'group5', 'keep40_20', 'keep0_0')
+MODELS = {
+    'infinity_2b': (dict(depth=32, width=2048, num_heads=16, patch_nums=INFINITY_1024.patch_nums),
+                    dict(patch_nums=INFINITY_1024.patch_nums),
+                    ('fastvar:infinity_2b', 'fastvar:hart') + tuple(f'lazyvar:{p}' for p in LAZYVAR_INFINITY)),
+    'd30': (dict(depth=30), dict(), ('fastvar:var256', 'lazyvar:var256')),
+    'smoke': (dict(depth=2, width=64, num_heads=2, vocab_size=64, cvae=8, num_classes=10),
+              dict(vocab_size=64, z_channels=8, ch=32, num_res_blocks=1, patch_nums=VAR_256.patch_nums),
+              ('fastvar:var256',)),
+}
+OPTS = dict(cfg=1.5, top_k=900, top_p=0.96)
+
+
+def fitting(specs: list[str], var_cfg: VARConfig) -> tuple[str, ...]:
+  """The specs whose policies fit the model's schedule and depth."""
+  def fits(spec):
+    try:
+      policy_from_spec(spec).bind(var_cfg.schedule, var_cfg.depth)
+      return True
+    except ValueError:
+      return False
+  return tuple(s for s in specs if fits(s))
+
+
+def build(model: str, attn: str, policies: str):
+  """(var_cfg, vq_cfg, params with the VAR weights in bf16, policy specs) of a model."""
+  var_kw, vq_kw, specs = MODELS[model]
+  var_cfg = VARConfig(**var_kw, attn_backend=attn, dtype=jnp.bfloat16)
+  vq_cfg = VQVAEConfig(**vq_kw, dtype=jnp.bfloat16)
+  if policies:
+    specs = fitting(policies.split(','), var_cfg)
+  params = init_var_params(var_cfg, vq_cfg, jax.random.key(0))
+  params['var'] = jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), params['var'])
+  return var_cfg, vq_cfg, params, specs
+
+
+def sampler_job(var_cfg, vq_cfg, params, spec: str, batch: int):
+  """(lowered sampler, args maker) of one policy at one batch."""
+  sample = make_sampler(var_cfg, vq_cfg, policy_from_spec(spec))
+  labels = np.arange(batch, dtype=np.int32) % var_cfg.num_classes
+  lab, cfg = jnp.asarray(labels), jnp.float32(OPTS['cfg'])
+  opts = dict(OPTS, top_k=min(OPTS['top_k'], var_cfg.vocab_size))   # the smoke model has 64 codes
+  return sample.lower(params, jax.random.key(0), labels, **opts), lambda i: (params, jax.random.key(i), lab, cfg)
+
+
+def decoder_job(vq_cfg, params, batch: int):
+  hw = vq_cfg.patch_nums[-1]
+  f_hat = jax.random.normal(jax.random.key(1), (batch, hw, hw, vq_cfg.z_channels))
+  decode = jax.jit(lambda p, f: VQVAE(vq_cfg).apply({'params': p}, f, method=VQVAE.fhat_to_img))
+  return decode.lower(params['vqvae'], f_hat), lambda i: (params['vqvae'], f_hat + i)
+
+
+def compile_in(pool, name, lowered):
+  """A future of (name, (compiled, compile s)): the compile runs in the pool while the caller lowers on."""
+  def one():
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - t0
+    print(f'compiled {name} in {seconds:.1f} s', flush=True)
+    return name, (compiled, seconds)
+  return pool.submit(one)
+
+
+def time_calls(compiled, make_args, warmup: int, iters: int) -> float:
+  """Median ms of `iters` calls after `warmup` calls."""
+  return statistics.median(call_times(compiled, make_args, warmup, iters)) * 1e3
+
+
+def kind(name: str) -> str:
+  """A kernel's class by its name: GEMMs (cuBLAS, CUTLASS, XLA's, the dense-GELU kernel), cuDNN
+  attention, convolutions (the VQVAE's), the rest."""
+  n = name.lower()
+  if any(s in n for s in ('sdpa', 'flash', 'fmha', 'attention')):
+    return 'attention'
+  if any(s in n for s in ('fprop', 'conv', 'dgrad', 'implicit')):
+    return 'conv'
+  # The only Mosaic GPU kernel of a sampler on cuDNN attention is fc1 + GELU (pallas_kernels.dense_gelu).
+  if any(s in n for s in ('gemm', 'nvjet', 'xmma', 'cutlass', 'mosaic', 'matmul', 'dot')):
+    return 'gemm'
+  return 'other'
+
+
+def profile_split(compiled, make_args, logdir: str, num_scales: int, depth: int) -> list[str]:
+  """Per timeline line: ms per kernel class, and attention per scale when the line holds one attention
+  kernel per (scale, block) (in time order)."""
+  events = device_events(lambda: jax.block_until_ready(compiled(*make_args(7))), logdir)
+  lines = collections.defaultdict(list)
+  for line, name, ts, dur in events:
+    lines[line].append((name, ts, dur))
+  out = []
+  for line, evs in lines.items():
+    split = collections.Counter()
+    for name, _, dur in evs:
+      split[kind(name)] += dur / 1e3
+    span = (max(ts + d for _, ts, d in evs) - min(ts for _, ts, _ in evs)) / 1e3
+    text = ', '.join(f'{k} {v:.2f}' for k, v in split.most_common())
+    out.append(f'  [{line[:40]}] busy {sum(split.values()):.2f} ms of a {span:.2f} ms span: {text}')
+    attn = [dur / 1e3 for name, _, dur in evs if kind(name) == 'attention']
+    if len(attn) == num_scales * depth:
+      per = [sum(attn[s * depth:(s + 1) * depth]) for s in range(num_scales)]
+      out.append('    attention per scale, ms: ' + ' '.join(f'{p:.2f}' for p in per))
+    top = collections.Counter()
+    for name, _, dur in evs:
+      top[name[:90]] += dur / 1e3
+    out.extend(f'    {ms:8.2f} ms  {kind(n):9} {n}' for n, ms in top.most_common(12))
+  return out
+
+
+def wait_for(path: str) -> None:
+  if path:
+    print(f'waiting for {path} before timing', flush=True)
+    while not os.path.exists(path):
+      time.sleep(2)
+
+
+def lower_and_compile(args, batches):
+  """(models {name: build(...)}, makers {(model, batch, name): args maker}, compiled {...: (program,
+  compile s)}) of the decoder, the baseline and each policy per model and batch."""
+  models, makers, futures = {}, {}, []
+  with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
+    for model in args.models.split(','):
+      var_cfg, vq_cfg, params, specs = models[model] = build(model, args.attn, args.policies)
+      for batch in batches:
+        jobs = [('decoder', lambda: decoder_job(vq_cfg, params, batch))]
+        jobs += [(spec, lambda spec=spec: sampler_job(var_cfg, vq_cfg, params, spec, batch))
+                 for spec in ('baseline',) + specs]
+        for name, job in jobs:
+          lowered, makers[model, batch, name] = job()
+          futures.append(compile_in(pool, (model, batch, name), lowered))
+    print(f'lowered {len(futures)} programs', flush=True)
+    compiled = dict(f.result() for f in futures)
+  print('compiled', flush=True)
+  return models, makers, compiled
+
+
+def time_samplers(model, batch, specs, compiled, makers, dec_ms, args) -> list[dict]:
+  """One row per sampler (the baseline first), printed as it is measured."""
+  rows, base_ms = [], None
+  for spec in specs:
+    prog, compile_s = compiled[model, batch, spec]
+    ms = time_calls(prog, makers[model, batch, spec], args.warmup, args.iters)
+    base_ms = base_ms or ms
+    row = dict(model=model, batch=batch, policy=spec, compile_s=compile_s, ms=ms, decoder_ms=dec_ms,
+               no_decoder_ms=ms - dec_ms, speedup=base_ms / ms, speedup_no_decoder=(base_ms - dec_ms) / (ms - dec_ms),
+               peak_mib=(peak_bytes(prog) or 0) / 2 ** 20)
+    rows.append(row)
+    print(f"{model:12} B={batch:<2} {spec:22} compile {compile_s:6.1f} s  {ms:9.2f} ms  no decoder "
+          f"{row['no_decoder_ms']:9.2f} ms  x{row['speedup']:.2f} / x{row['speedup_no_decoder']:.2f}  "
+          f"peak {row['peak_mib']:8.0f} MiB", flush=True)
+  return rows
+
+
+def print_table(rows: list[dict]) -> None:
+  print('\n| model | batch | policy | ms | decoder ms | ms without decoder | speed-up | speed-up without decoder '
+        '| peak MiB | compile s |\n' + '| --- ' * 10 + '|')
+  for r in rows:
+    print(f"| {r['model']} | {r['batch']} | {r['policy']} | {r['ms']:.2f} | {r['decoder_ms']:.2f} | "
+          f"{r['no_decoder_ms']:.2f} | {r['speedup']:.2f}x | {r['speedup_no_decoder']:.2f}x | {r['peak_mib']:.0f} | "
+          f"{r['compile_s']:.1f} |")
+
+
+MAR_PRESETS = ('official', 'encoder_only', 'decoder_only', 'condition_only', 'head_only')
+
+
+def mar_main(args) -> None:
+  """--mar_sizes: LazyMAR against our MAR baseline (configs/mar.py sizes, random weights, official init,
+  bf16 compute, float32 parameters, the KL-16 decoder included), 64 iterations, 100 diffusion steps,
+  cfg 3.0 on the linear schedule, per size and batch the baseline and each --mar_presets preset:
+  compiled in a pool, then timed alone as the VAR rows (medians of --iters calls after --warmup)."""
+  from accel.lazymar import LazyMAR   # pylint: disable=import-outside-toplevel
+  from configs import mar as mar_configs   # pylint: disable=import-outside-toplevel
+  from train import models as train_models   # pylint: disable=import-outside-toplevel
+  from var_models.mar.policy import MARPolicy   # pylint: disable=import-outside-toplevel
+  from var_models.mar.sampler import make_mar_sampler   # pylint: disable=import-outside-toplevel
+  batches, presets = [int(b) for b in args.batches.split(',')], ('baseline',) + tuple(args.mar_presets.split(','))
+  makers, futures = {}, []
+  with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
+    for size in args.mar_sizes.split(','):
+      config = mar_configs.get_config(size)
+      config.dtype = 'bfloat16'
+      mar_cfg, vae_cfg = train_models.mar_configs(config)
+      params = train_models.init_mar_params(mar_cfg, vae_cfg, jax.random.key(0))
+      for batch, name in itertools.product(batches, presets):
+        policy = MARPolicy() if name == 'baseline' else LazyMAR.preset(name)
+        sample = make_mar_sampler(mar_cfg, vae_cfg, num_iter=64, num_diffusion_steps=100, policy=policy)
+        labels = np.arange(batch, dtype=np.int32) % mar_cfg.class_num
+        lab, cfg, temp = jnp.asarray(labels), jnp.float32(3.0), jnp.float32(1.0)
+        makers[size, batch, name] = lambda i, p=params, lab=lab, cfg=cfg, temp=temp: (p, jax.random.key(i), lab, cfg, temp)
+        futures.append(compile_in(pool, (size, batch, name), sample.lower(params, jax.random.key(0), labels, cfg=3.0)))
+    compiled = dict(f.result() for f in futures)
+  wait_for(args.wait_for)
+  print('\n| model | batch | policy | s / batch | speed-up | peak MiB | compile s |\n' + '| --- ' * 7 + '|', flush=True)
+  rows = []
+  for size, batch in itertools.product(args.mar_sizes.split(','), batches):
+    base_ms = None
+    for name in presets:
+      prog, compile_s = compiled[size, batch, name]
+      ms = time_calls(prog, makers[size, batch, name], args.warmup, args.iters)
+      base_ms = base_ms or ms
+      rows.append(dict(model=f'mar_{size}', batch=batch, policy=name, ms=ms, speedup=base_ms / ms,
+                       peak_mib=(peak_bytes(prog) or 0) / 2 ** 20, compile_s=compile_s))
+      print(f"| MAR-{size} | {batch} | {name} | {ms / 1e3:.3f} | {base_ms / ms:.2f}x | {rows[-1]['peak_mib']:.0f} | "
+            f'{compile_s:.1f} |', flush=True)
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump(rows, f, indent=1)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument('--models', default='infinity_2b,d30')
+  ap.add_argument('--batches', default='1,8')
+  ap.add_argument('--attn', default='cudnn')
+  ap.add_argument('--policies', default='', help="specs; each model runs those that fit it (default: the "
+                  "model's presets)")
+  ap.add_argument('--warmup', type=int, default=2)
+  ap.add_argument('--iters', type=int, default=10)
+  ap.add_argument('--compile_workers', type=int, default=8)
+  ap.add_argument('--wait_for', default='', help='a file to wait for between compiling and timing')
+  ap.add_argument('--profile', default='', help='trace one call of each sampler at the first batch under this folder')
+  ap.add_argument('--json', default='', help='also write the rows here')
+  ap.add_argument('--mar_sizes', default='', help='MAR sizes (base, large, huge): time LazyMAR instead of VAR')
+  ap.add_argument('--mar_presets', default=','.join(MAR_PRESETS), help='LazyMAR presets beside the MAR baseline')
+  args = ap.parse_args()
+  print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
+  if args.mar_sizes:
+    mar_main(args)
+    return
+  batches = [int(b) for b in args.batches.split(',')]
+  models, makers, compiled = lower_and_compile(args, batches)
+  wait_for(args.wait_for)
+  rows, notes = [], []
+  for model, batch in itertools.product(models, batches):
+    var_cfg, _, _, specs = models[model]
+    dec_prog, dec_compile = compiled[model, batch, 'decoder']
+    dec_ms = time_calls(dec_prog, makers[model, batch, 'decoder'], args.warmup, args.iters)
+    rows += time_samplers(model, batch, ('baseline',) + specs, compiled, makers, dec_ms, args)
+    for spec in ('baseline',) + specs if args.profile and batch == batches[0] else ():
+      split = [f'{model} B={batch} {spec} profile (decoder alone {dec_ms:.2f} ms, compile {dec_compile:.1f} s):']
+      split += profile_split(compiled[model, batch, spec][0], makers[model, batch, spec],
+                             os.path.join(args.profile, f"{model}_b{batch}_{spec.replace(':', '_')}"),
+                             var_cfg.schedule.num_scales, var_cfg.depth)
+      notes += split
+      print('\n'.join(split), flush=True)
+  print_table(rows)
+  print('\n'.join(notes), flush=True)
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump(rows, f, indent=1)
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,89 @@
+"""The fidelity runner: its metrics against hand-computed values and restatements, and one run on a tiny
+config with random weights (function and command line)."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from accel import FastVAR, metrics
+from accel.compare import compare, parse_seeds
+from configs import var as var_configs
+from var_models.var.from_config import init_var_params, var_configs as model_configs
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_psnr_of_a_uniform_offset_and_of_equal_images():
+  ref = np.full((2, 16, 16, 3), 0.5, np.float32)
+  np.testing.assert_allclose(metrics.psnr(ref, ref + np.float32(0.1)), [20.0, 20.0], rtol=1e-5)
+  assert np.all(np.isinf(metrics.psnr(ref, ref)))
+
+
+def _ssim_restated(x, y):
+  """Every 11 x 11 window in turn, Gaussian-weighted statistics per channel (float64)."""
+  t = np.arange(11) - 5
+  g = np.exp(-t ** 2 / 4.5)
+  w = np.outer(g, g) / np.outer(g, g).sum()
+  vals = []
+  for i in range(x.shape[0] - 10):
+    for j in range(x.shape[1] - 10):
+      for c in range(3):
+        a, b = x[i:i + 11, j:j + 11, c], y[i:i + 11, j:j + 11, c]
+        ma, mb = (w * a).sum(), (w * b).sum()
+        va, vb, cov = (w * a * a).sum() - ma ** 2, (w * b * b).sum() - mb ** 2, (w * a * b).sum() - ma * mb
+        vals.append((2 * ma * mb + 1e-4) * (2 * cov + 9e-4) / ((ma ** 2 + mb ** 2 + 1e-4) * (va + vb + 9e-4)))
+  return np.mean(vals)
+
+
+def test_ssim_matches_a_windowed_restatement_and_is_one_on_equal_images():
+  rng = np.random.default_rng(0)
+  x = rng.uniform(size=(2, 13, 14, 3)).astype(np.float32)
+  y = np.clip(x + rng.normal(0, 0.1, x.shape), 0, 1).astype(np.float32)
+  np.testing.assert_allclose(metrics.ssim(x, y), [_ssim_restated(x[i], y[i]) for i in range(2)], rtol=1e-4)
+  np.testing.assert_allclose(metrics.ssim(x, x), [1.0, 1.0], rtol=1e-6)
+  with pytest.raises(ValueError, match='SSIM needs images of at least 11 px'):
+    metrics.ssim(x[:, :8, :8], y[:, :8, :8])
+
+
+def test_token_agreement_is_per_scale_over_the_scales_both_ran():
+  a = [np.array([[1, 2]]), np.array([[1, 2, 3, 4]]), np.array([[5]])]
+  b = [np.array([[1, 2]]), np.array([[1, 0, 3, 0]])]
+  assert metrics.token_agreement(a, b) == [1.0, 0.5]
+
+
+def test_parse_seeds():
+  assert parse_seeds('0-3,7') == [0, 1, 2, 3, 7]
+  with pytest.raises(ValueError, match='--seeds'):
+    parse_seeds('3-1')
+
+
+def test_compare_on_a_tiny_model_writes_table_pairs_and_per_image_figures(tmp_path):
+  config = var_configs.get_config('tiny')
+  var_cfg, vq_cfg = model_configs(config)
+  params = init_var_params(var_cfg, vq_cfg, jax.random.key(0))
+  policy = FastVAR(ratios=((4, 0.5), (8, 1.0)), cache_at=2)
+  seeds, labels = [0, 1, 2], np.array([3, 1, 4], np.int32)
+  table = compare(var_cfg, vq_cfg, params, {'fastvar:tiny': policy}, seeds, labels,
+                  dict(cfg=1.5, top_k=0, top_p=1.0), 2, str(tmp_path), grid=3)
+  assert table.splitlines()[-1].startswith('| fastvar:tiny | 3 |')
+  record = json.loads((tmp_path / 'fastvar_tiny.json').read_text())
+  assert len(record['psnr']) == len(record['ssim']) == 3 and record['lpips'] is None
+  assert len(record['agreement']) == 3 and record['agreement'][:2] == [1.0, 1.0]  # scales before pruning
+  assert record['baseline_latency_ms'] > 0 and record['accelerated_peak_bytes'] > 0
+  grid = np.asarray(Image.open(tmp_path / 'fastvar_tiny.png'))
+  assert grid.shape[0] == 32 + 4 and grid.shape[1] == 4 * (2 * 32 + 12)
+  assert os.path.exists(tmp_path / 'summary.md')
+
+
+def test_command_line_rejects_a_preset_that_does_not_fit_before_compiling(tmp_path):
+  cmd = [sys.executable, '-m', 'accel.compare', '--config', 'configs/var.py:tiny', '--policy', 'fastvar:infinity_2b',
+         '--out', str(tmp_path)]
+  res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert res.returncode != 0 and 'FastVAR.ratios: scale 32 is not in the schedule' in res.stderr
+  assert not os.listdir(tmp_path)

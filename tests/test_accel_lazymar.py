@@ -1,0 +1,191 @@
+"""LazyMAR: every cache off is the baseline bit for bit; the keep set, refresh schedule, head-cache steps
+and condition-cache algebra against hand-made cases; the sampler's recorded decisions; bad settings fail
+before compiling."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from accel.lazymar import (OFFICIAL_RATIOS, LazyMAR, is_refresh, keep_count, kept_positions,
+                           similarity_scores)
+from var_models.mar import model as mar_lib
+from var_models.mar.diffloss import (HeadCache, SimpleMLPAdaLN, diffloss_sample, diffloss_sample_cached,
+                                     merged_adaln)
+from var_models.mar.gaussian_diffusion import create_diffusion, fold_runs
+from var_models.mar.model import diffloss_net
+from var_models.mar.policy import IterPlan
+from var_models.mar.sampler import make_mar_sampler
+from test_mar_sampler import LABELS, MAR_CFG, VAE_CFG, _params
+
+CFG = dataclasses.replace(MAR_CFG, decoder_depth=3)
+NUM_ITER = 6
+TINY = dict(refresh_start=2, refresh_every=3, ratios=(1.0, 1.0, 1.0, 0.5, 0.2, 0.2), similarity_block=1,
+            extra_tokens=1, head_interval=3, head_skip=(1,))
+OFF = dict(encoder=False, decoder=False, condition=False, head=False)
+
+
+@pytest.fixture(scope='module')
+def params():
+  return _params(CFG)
+
+
+@pytest.fixture(scope='module')
+def baseline_tokens(params):
+  return make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER)(params, jax.random.key(3), LABELS, cfg=3.0)[1]['tokens']
+
+
+def test_every_cache_off_equals_the_baseline_bit_for_bit(params, baseline_tokens):
+  sample = make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, policy=LazyMAR(**TINY, **OFF))
+  np.testing.assert_array_equal(sample(params, jax.random.key(3), LABELS, cfg=3.0)[1]['tokens'], baseline_tokens)
+
+
+def test_all_caches_record_refreshes_encoder_sets_and_kept_counts(params, baseline_tokens):
+  sample = make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, policy=LazyMAR(**TINY), record=True)
+  _, aux = sample(params, jax.random.key(3), LABELS, cfg=3.0)
+  it, bound = aux['iterations'], sample.policy.bound
+  np.testing.assert_array_equal(it['refresh'], [True, True, True, False, False, True])
+  np.testing.assert_array_equal(it['kept'].sum(-1)[:, 0], bound.keep)
+  pred = np.asarray(it['pred'])
+  # A cached iteration encodes the buffer and the previous iteration's predictions only.
+  for step in (3, 4):
+    want = np.zeros((len(LABELS), bound.length), bool)
+    want[:, :CFG.buffer_size] = True
+    prev = pred[step - 1]
+    np.put_along_axis(want, np.where(prev < CFG.seq_len, prev + CFG.buffer_size, 0), True, axis=1)
+    np.testing.assert_array_equal(it['encoded'][step], want)
+  # Positions predicted now and at the previous iteration score 0: always kept here.
+  for step in (3, 4):
+    for now in (pred[step], pred[step - 1]):
+      rows = np.repeat(np.arange(len(LABELS))[:, None], now.shape[1], 1)
+      valid = now < CFG.seq_len
+      assert it['kept'][step][rows[valid], now[valid] + CFG.buffer_size].all()
+  tokens = np.asarray(aux['tokens'])
+  assert np.isfinite(tokens).all() and not np.array_equal(tokens, baseline_tokens)
+
+
+def test_keep_count_is_the_larger_of_the_predictions_plus_extra_and_the_ratio():
+  assert keep_count(320, 0.05, 3, 4, 15) == 22 and keep_count(320, 0.15, 3, 4, 15) == 48
+  assert keep_count(320, 0.12, 1, 1, 15) == 38 and keep_count(20, 1.0, 9, 9, 15) == 20
+
+
+def test_scores_are_head_mean_cosines_with_the_predicted_positions_zeroed():
+  v_prev = jnp.array([[[[1., 0.], [0., 1.]], [[1., 0.], [1., 0.]], [[2., 0.], [0., 3.]]]])   # [1, 3, 2 heads, 2]
+  v_now = jnp.array([[[[1., 0.], [1., 0.]], [[-1., 0.], [0., 1.]], [[5., 0.], [0., 1.]]]])
+  zero = jnp.array([[False, False, True]])
+  np.testing.assert_allclose(similarity_scores(v_now, v_prev, zero), [[0.5, -0.5, 0.0]], atol=1e-7)
+
+
+def test_kept_positions_take_the_lowest_scores_ties_to_the_lower_position_padded_ascending():
+  scores = jnp.array([[0.9, 0.0, -0.2, 0.0, 0.0, 0.5]])
+  # count 3: -0.2 (2), then two of the tied zeros (1, 3 before 4); bound 5 pads with L = 6.
+  np.testing.assert_array_equal(kept_positions(scores, jnp.int32(3), 5), [[1, 2, 3, 6, 6]])
+  np.testing.assert_array_equal(kept_positions(scores, jnp.int32(6), 6), [[0, 1, 2, 3, 4, 5]])
+
+
+def test_official_refreshes_of_64_iterations_and_the_scaled_schedule_of_32():
+  assert [s for s in range(64) if is_refresh(s, 5, 9)] == [0, 1, 2, 3, 4, 5, 14, 23, 32, 41, 50, 59]
+  official = LazyMAR.preset('official').bind(mar_lib.base(), 64, True, 100)
+  assert official.bound.refresh == tuple(is_refresh(s, 5, 9) for s in range(64))
+  assert official.ratios == OFFICIAL_RATIOS and len(OFFICIAL_RATIOS) == 64
+  scaled = LazyMAR.preset('scaled').scaled_to(32)
+  assert (scaled.refresh_start, scaled.refresh_every) == (3, 4)
+  assert scaled.ratios == OFFICIAL_RATIOS[::2]
+  assert LazyMAR.preset('scaled').scaled_to(64).ratios == OFFICIAL_RATIOS
+
+
+def test_official_head_cache_steps_and_the_blocks_each_step_runs():
+  cache = LazyMAR.preset('official').bind(mar_lib.base(), 64, True, 100).head_cache(IterPlan())
+  kinds = cache.kinds(100)
+  full = sorted(99 - j for j, k in enumerate(kinds) if k == 'full')
+  assert full == [0, 7, 14, 21, 28, 35, 42, 49, 56, 63, 70, 77, 84, 91, 98, 99]
+  assert sorted(99 - j for j, k in enumerate(kinds) if k == 'recompute') == [92, 93, 94, 95, 96, 97]
+  assert cache.hooks('full').skipped == () and cache.hooks('cached').skipped == (1, 2, 3, 4)
+  assert cache.uncond('full') and not cache.uncond('cached') and not cache.uncond('recompute')
+  assert fold_runs(kinds)[2] == (13, (('full', 1), ('cached', 6)))
+
+
+def _head_inputs(rows=3):
+  net = diffloss_net(CFG)
+  head = _params(CFG)['mar']['diffloss']
+  z = jax.random.normal(jax.random.key(7), (2 * rows, CFG.decoder_embed_dim))
+  return net, head, z
+
+
+def test_cache_free_stepped_loop_equals_the_guided_sampler():
+  net, head, z = _head_inputs()
+  diffusion = create_diffusion('10')
+  want = diffloss_sample(net, head, z, jax.random.key(1), 1.0, 2.5, guided=True, diffusion=diffusion)[:3]
+  k_init, k_loop = jax.random.split(jax.random.key(1))
+  x_t = jax.random.normal(k_init, (3, net.in_channels))
+  noise = lambda i: jax.random.normal(jax.random.fold_in(k_loop, i), (6, net.in_channels))[:3]
+  got = diffloss_sample_cached(net, head, z, x_t, noise, 1.0, 2.5, HeadCache(), diffusion)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_cached_head_step_right_after_a_full_one_on_the_same_input_repeats_it():
+  """x + cached delta and x + gate * cached MLP output are the full step's own values."""
+  net, head, z = _head_inputs()
+  cache = LazyMAR(**TINY).bind(CFG, NUM_ITER, True, 10).head_cache(IterPlan())
+  x = jax.random.normal(jax.random.key(2), (3, net.in_channels))
+  t = jnp.full((3,), 500)
+  state = cache.init_state(3, net.model_channels, net.num_res_blocks, net.in_channels)
+  outs = []
+  for kind in ('full', 'cached'):
+    both = cache.uncond(kind)
+    run = [i for i in range(net.num_res_blocks) if i not in cache.hooks(kind).skipped]
+    xx, tt, cc = (jnp.concatenate([x, x]), jnp.concatenate([t, t]), z) if both else (x, t, z[:3])
+    out, state = net.apply({'params': head}, xx, tt, cc, merged_adaln(head, run), cache.hooks(kind), state,
+                           method=SimpleMLPAdaLN.forward_hooked)
+    eps, state = cache.guide(kind, out[:3, :4], out[3:, :4] if both else None, 2.0, state)
+    outs.append(eps)
+  np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+  assert float(jnp.abs(state['cfg']).max()) > 0
+
+
+def test_condition_cache_keeps_uncond_minus_cond_and_adds_it_to_the_conditional_half():
+  policy = LazyMAR(**TINY, **{**OFF, 'condition': True}).bind(CFG, NUM_ITER, True, 10)
+  state = policy.init_state(2, True)
+  x = jax.random.normal(jax.random.key(0), (4, 20, CFG.decoder_embed_dim))
+  state['it'] = {'pred': state['prev_pred']}
+  _, state = policy.guidance(IterPlan(tag='full'), x, state)
+  np.testing.assert_array_equal(state['diff'], x[2:] - x[:2])
+  state['it'] = {'pred': state['prev_pred']}
+  cond = jax.random.normal(jax.random.key(1), (2, 20, CFG.decoder_embed_dim))
+  out, _ = policy.guidance(IterPlan(uncond=False, tag=('cached', None)), cond, state)
+  np.testing.assert_array_equal(out, jnp.concatenate([cond, cond + (x[2:] - x[:2])]))
+
+
+@pytest.mark.parametrize('settings,num_iter,guided,message', [
+    (dict(), 8, True, 'LazyMAR.ratios: 64 entries for a sampler of 8'),
+    (dict(TINY, similarity_block=3), NUM_ITER, True, 'LazyMAR.similarity_block: block 3 is past'),
+    (dict(TINY, head_skip=(1, 2)), NUM_ITER, True, 'LazyMAR.head_skip: block 2 is past'),
+    (dict(TINY), NUM_ITER, False, 'LazyMAR.guided'),
+])
+def test_settings_that_do_not_fit_the_sampler_fail_when_it_is_made(settings, num_iter, guided, message):
+  with pytest.raises(ValueError, match=message):
+    make_mar_sampler(CFG, VAE_CFG, num_iter=num_iter, guided=guided, policy=LazyMAR(**settings))
+
+
+@pytest.mark.parametrize('settings,message', [
+    (dict(refresh_every=0), 'LazyMAR.refresh_every'), (dict(ratios=(1.2,)), 'LazyMAR.ratios'),
+    (dict(head_warm=2.0), 'LazyMAR.head_warm'), (dict(head_skip=(1, 1)), 'LazyMAR.head_skip'),
+])
+def test_bad_settings_name_their_field(settings, message):
+  with pytest.raises(ValueError, match=message):
+    LazyMAR(**settings)
+
+
+def test_unknown_preset_lists_the_known_ones():
+  with pytest.raises(ValueError, match="unknown LazyMAR preset 'fast'.*official"):
+    LazyMAR.preset('fast')
+
+
+def test_sampler_rejects_bad_orders_and_noises_before_compiling(params):
+  sample = make_mar_sampler(CFG, VAE_CFG, num_iter=2)
+  with pytest.raises(ValueError, match='orders must be one permutation'):
+    sample(params, jax.random.key(0), LABELS, cfg=2.0, orders=np.zeros((2, CFG.seq_len), int))
+  with pytest.raises(ValueError, match='noises must be'):
+    sample(params, jax.random.key(0), LABELS, cfg=2.0, noises={'init': np.zeros(3)})
+  assert sample._jitted._cache_size() == 0
