@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 from accel import policy_from_spec  # noqa: E402
 from accel.compare import peak_bytes  # noqa: E402
 from timing import call_times, device_events  # noqa: E402
+from var_models.flop_count import flops  # noqa: E402
 from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig  # noqa: E402
 from var_models.var.from_config import init_var_params  # noqa: E402
 from var_models.var.model import VARConfig  # noqa: E402
@@ -212,6 +213,28 @@ def print_table(rows: list[dict]) -> None:
           f"{r['compile_s']:.1f} |")
 
 
+def flop_table(args) -> None:
+  """--flops: matmul FLOPs per image of the baseline and each policy at batch 1, counted on the
+  sampler's jaxpr from shapes alone (`var_models.flop_count`, 2 per multiply-add; no GPU)."""
+  print('| model | policy | TFLOPs / image | without decoder |\n| --- | --- | ---: | ---: |', flush=True)
+  key, labels, scale = (jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((1,), jnp.int32),
+                        jax.ShapeDtypeStruct((), jnp.float32))
+  for model in args.models.split(','):
+    var_kw, vq_kw, specs = MODELS[model]
+    var_cfg = VARConfig(**var_kw, attn_backend='xla', dtype=jnp.bfloat16)
+    vq_cfg = VQVAEConfig(**vq_kw, dtype=jnp.bfloat16)
+    specs = fitting(args.policies.split(','), var_cfg) if args.policies else specs
+    params = jax.eval_shape(lambda k: init_var_params(var_cfg, vq_cfg, k), jax.random.key(0))
+    hw = vq_cfg.patch_nums[-1]
+    decoder = flops(lambda p, f: VQVAE(vq_cfg).apply({'params': p}, f, method=VQVAE.fhat_to_img), params['vqvae'],
+                    jax.ShapeDtypeStruct((1, hw, hw, vq_cfg.z_channels), jnp.float32))
+    top = dict(top_k=min(OPTS['top_k'], var_cfg.vocab_size), top_p=OPTS['top_p'])
+    for spec in ('baseline',) + specs:
+      sample = make_sampler(var_cfg, vq_cfg, policy_from_spec(spec))
+      total = flops(lambda p, k, l, c, sample=sample: sample._sample(p, k, l, c, **top), params, key, labels, scale)
+      print(f'| {model} | {spec} | {total / 1e12:.2f} | {(total - decoder) / 1e12:.2f} |', flush=True)
+
+
 MAR_PRESETS = ('official', 'encoder_only', 'decoder_only', 'condition_only', 'head_only')
 
 
@@ -272,12 +295,16 @@ def main():
   ap.add_argument('--wait_for', default='', help='a file to wait for between compiling and timing')
   ap.add_argument('--profile', default='', help='trace one call of each sampler at the first batch under this folder')
   ap.add_argument('--json', default='', help='also write the rows here')
+  ap.add_argument('--flops', action='store_true', help='count FLOPs per image instead of timing (no GPU needed)')
   ap.add_argument('--mar_sizes', default='', help='MAR sizes (base, large, huge): time LazyMAR instead of VAR')
   ap.add_argument('--mar_presets', default=','.join(MAR_PRESETS), help='LazyMAR presets beside the MAR baseline')
   args = ap.parse_args()
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   if args.mar_sizes:
     mar_main(args)
+    return
+  if args.flops:
+    flop_table(args)
     return
   batches = [int(b) for b in args.batches.split(',')]
   models, makers, compiled = lower_and_compile(args, batches)

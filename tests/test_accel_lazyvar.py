@@ -122,3 +122,15 @@ def test_the_group_takes_disjoint_positions_by_the_index_before_it():
   np.testing.assert_array_equal(sel[:, 5:] - 9, retained(u, 4, 4, 0).repeat(2, axis=0))
   np.testing.assert_array_equal(sel[:, :5], retained(u, 3, 5, 2).repeat(2, axis=0))
   assert sel.shape == (2, 9) and policy.input_counts(step) == (5, 4)
+
+
+def test_lazyvar_composes_with_fastvar_on_other_scales(tiny_var):
+  """FastVAR prunes scale 2 inside its blocks (cache at scale 1), LazyVAR drops half the input
+  tokens of scale 3: one sampler, each method's tokens where it acts."""
+  from accel import FastVAR, compose
+  var_cfg, vq_cfg, params = tiny_var
+  policy = compose(FastVAR(ratios=((3, 0.5),), cache_at=2), LazyVAR(start=3, retention=(0.5,), pgd=False))
+  images, aux = _sample(var_cfg, vq_cfg, params, policy)
+  assert np.isfinite(np.asarray(images)).all()
+  assert (np.asarray(aux['indices'][2]) >= 0).all()                    # FastVAR restores every position
+  assert ((np.asarray(aux['indices'][3]) >= 0).sum(axis=1) == 8).all()  # LazyVAR forwards 8 of 16
