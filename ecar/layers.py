@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from var_models.nn.blocks import FFN, layer_norm, modulate
+from var_models.nn.blocks import FFN, concat_dense, layer_norm, modulate
 from var_models.nn.vit import Attention, xavier_uniform
 
 Array = jax.Array
@@ -73,8 +73,7 @@ class FinalLayer(nn.Module):
 
 def merged_adaln(params) -> tuple[Array, Array]:
   """Every DiT block's and the final layer's adaLN Linear of one denoiser, concatenated (they all
-  read the same SiLU(c)): (kernel [w, (6 depth + 2) w], bias). One GEMM per Euler step then
-  replaces depth + 1 small ones; built once outside the flow loop."""
+  read the same SiLU(c)): (kernel [w, (6 depth + 2) w], bias), see `concat_dense`."""
   depth = sum(1 for k in params if k.startswith('blocks_'))
-  layers = [params[f'blocks_{i}']['adaLN_modulation'] for i in range(depth)] + [params['final']['adaLN_modulation']]
-  return jnp.concatenate([l['kernel'] for l in layers], axis=1), jnp.concatenate([l['bias'] for l in layers])
+  return concat_dense([params[f'blocks_{i}']['adaLN_modulation'] for i in range(depth)]
+                      + [params['final']['adaLN_modulation']])

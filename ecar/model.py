@@ -47,7 +47,7 @@ from ecar.flow import up2
 from ecar.layers import DiTBlock, FinalLayer, patchify, unpatchify
 from var_models.mar.diffloss import TimestepEmbedder
 from var_models.nn import attention as attn_lib
-from var_models.nn.blocks import BlockHooks
+from var_models.nn.blocks import BlockHooks, merged_modulations
 from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
 
 Array = jax.Array
@@ -143,9 +143,7 @@ class Denoiser(nn.Module):
     c = cond + self.t_embed(timestep)[:, None]
     mods = [None] * (len(self.blocks) + 1)
     if adaln is not None:
-      kernel, bias = adaln
-      out = jnp.dot(nn.silu(c).astype(cfg.dtype), kernel.astype(cfg.dtype)) + bias.astype(cfg.dtype)
-      mods = jnp.split(out, np.cumsum([6 * cfg.den_width] * len(self.blocks)), axis=-1)
+      mods = merged_modulations(c, adaln, 6 * cfg.den_width, len(self.blocks), cfg.dtype)
     for block, mod in zip(self.blocks, mods):
       h = block(h, c, mod)
     out = self.final(h, c, mods[-1]).astype(jnp.float32)

@@ -19,9 +19,9 @@ from typing import Any, Hashable, Optional, Sequence, Union
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from var_models.mar.gaussian_diffusion import GaussianDiffusion, SampleModelFn, create_diffusion
+from var_models.nn.blocks import concat_dense, merged_modulations
 
 Array = jax.Array
 FREQ_DIM = 256  # sinusoidal timestep features fed to time_embed/mlp_0
@@ -115,15 +115,11 @@ class FinalLayer(nn.Module):
 
 def merged_adaln(params, blocks: Optional[Sequence[int]] = None) -> tuple[Array, Array]:
   """The adaLN Linears of the res blocks `blocks` (default: all) and of the final layer, concatenated
-  (they all read the same SiLU(y)): (kernel [w, (3 len(blocks) + 2) w], bias). One GEMM then
-  replaces len(blocks) + 1; built once outside a sampling loop, it also keeps XLA from
-  re-concatenating the weights at every step when it merges those GEMMs itself."""
+  (they all read the same SiLU(y)): (kernel [w, (3 len(blocks) + 2) w], bias), see `concat_dense`."""
   if blocks is None:
     blocks = range(sum(1 for k in params if k.startswith('res_blocks_')))
   layers = [params[f'res_blocks_{i}']['adaLN_modulation_1'] for i in blocks]
-  layers.append(params['final_layer']['adaLN_modulation_1'])
-  return (jnp.concatenate([l['kernel'] for l in layers], axis=1),
-          jnp.concatenate([l['bias'] for l in layers]))
+  return concat_dense(layers + [params['final_layer']['adaLN_modulation_1']])
 
 
 class SimpleMLPAdaLN(nn.Module):
@@ -162,10 +158,7 @@ class SimpleMLPAdaLN(nn.Module):
     run = [i for i in range(self.num_res_blocks) if i not in skipped]
     mods = [None] * (len(run) + 1)
     if adaln is not None:
-      kernel, bias = adaln
-      w = self.model_channels
-      out = jnp.dot(nn.silu(y).astype(self.dtype), kernel.astype(self.dtype)) + bias.astype(self.dtype)
-      mods = jnp.split(out, np.cumsum([3 * w] * len(run)), axis=-1)
+      mods = merged_modulations(y, adaln, 3 * self.model_channels, len(run), self.dtype)
     mod_of = dict(zip(run, mods))
     for i, block in enumerate(self.res_blocks):
       if hooks is None:

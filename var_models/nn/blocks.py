@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import pallas_kernels as pk
@@ -149,6 +150,22 @@ def residual(module: nn.Module, x: Array, branch: Callable, site: str, hooks: Op
     y, aux, state = branch(x if idx is None else tok.gather(x, idx), idx, state)
     y, state = hooks.restore(site, y, idx, x, state)
   return x + drop_path(y, drop_path_rate, deterministic, module), aux, state
+
+
+def concat_dense(layers) -> tuple[Array, Array]:
+  """Params {'kernel', 'bias'} of Dense layers that read one input -> one Dense: (kernel [in, sum
+  of their outputs], bias). Built once outside a sampling loop, e.g. for every adaLN Linear of a
+  denoiser (all read SiLU of the same condition): one GEMM per step replaces one per layer, and
+  XLA does not re-concatenate the weights at every step when it merges those GEMMs itself."""
+  return jnp.concatenate([l['kernel'] for l in layers], axis=1), jnp.concatenate([l['bias'] for l in layers])
+
+
+def merged_modulations(y: Array, merged: tuple[Array, Array], width: int, count: int, dtype) -> list[Array]:
+  """SiLU(y) [..., C] through `concat_dense`'s layers -> their outputs: `count` of `width` each,
+  then the last layer's."""
+  kernel, bias = merged
+  out = jnp.dot(nn.silu(y).astype(dtype), kernel.astype(dtype)) + bias.astype(dtype)
+  return jnp.split(out, np.cumsum([width] * count), axis=-1)
 
 
 def dense_params_in(params, dtype) -> dict:
