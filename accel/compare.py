@@ -1,19 +1,21 @@
-"""The fidelity runner: accelerated next-scale samplers against the baseline, on the same keys.
+"""The fidelity runner: accelerated samplers against the baseline, on the same keys.
 
   python -m accel.compare --config configs/var.py:small256 --ckpt runs/small256 \
       --policy fastvar:var256 --seeds 0-63 [--lpips ckpt/lpips] [--out compare/small256]
+  python -m accel.compare --config configs/mar.py:small64 --ckpt runs/mar_small64 --policy lazymar:official
+  python -m accel.compare --config configs/ecar.py:tiny --ckpt runs/demo --policy ecarcache:every_2
 
-Any checkpoint `python -m train.sample` loads (`python -m var_models.convert var` output, or a
-training workdir); without --ckpt the weights are random, which shows speed only. Seed s
-samples with key(s) (with --batch_size b > 1, each group of b seeds shares the key of its
-first) and label --labels[i % n] (default: s mod num_classes). The baseline and every --policy
-(comma separated; 'a+b' composes) run on the same keys and labels; per image, PSNR, SSIM and
-LPIPS (with --lpips, a `python -m var_models.convert lpips` directory) of the accelerated
-image against the baseline's; per scale, the fraction of equal token ids; per sampler, the
-median latency of a call (after a warm-up call), compile time and XLA's peak memory
-(weights + temporaries + outputs of the compiled program). Writes, under --out,
-summary.md (one row per policy, also printed), POLICY.json (every per-image figure) and
-POLICY.png (baseline | accelerated pairs, the first --grid images).
+Any VAR, MAR or E-CAR checkpoint `python -m train.sample` loads (converted weights or a training
+workdir); without --ckpt the weights are random, which shows speed only. Seed s samples with
+key(s) (with --batch_size b > 1, each group of b seeds shares the key of its first) and label
+--labels[i % n] (default: s mod num_classes). The baseline and every --policy (comma separated;
+'a+b' composes VAR policies) run on the same keys and labels; per image, PSNR, SSIM and LPIPS
+(with --lpips, a `python -m var_models.convert lpips` directory) of the accelerated image
+against the baseline's; for VAR, per scale, the fraction of equal token ids; per sampler, the
+median latency of a call (after a warm-up call), compile time and XLA's peak memory (weights +
+temporaries + outputs of the compiled program). Writes, under --out, summary.md (one row per
+policy, also printed), POLICY.json (every per-image figure) and POLICY.png (baseline |
+accelerated pairs, the first --grid images).
 """
 from __future__ import annotations
 
@@ -25,27 +27,27 @@ import time
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 from PIL import Image
 
 from accel import metrics
+from accel.families import Family, family_from_config
 from accel.specs import policy_from_spec
 from var_models.nn.checks import check_labels
-from var_models.var.from_config import init_var_params, load_var_params, var_configs
-from var_models.var.policy import ScalePolicy
-from var_models.var.sampler import check_sample_args, make_sampler
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/var.py:VARIANT', lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/{var,mar,ecar}.py:VARIANT', lock_config=True)
 _CKPT = flags.DEFINE_string('ckpt', None, 'checkpoint directory; none = random weights (speed only)')
-_POLICY = flags.DEFINE_list('policy', ['fastvar:var256'], "policies, e.g. fastvar:infinity_2b ('a+b' composes)")
+_POLICY = flags.DEFINE_list('policy', None, "policies, e.g. fastvar:infinity_2b ('a+b' composes), "
+                            'lazymar:official, ecarcache:every_2')
 _SEEDS = flags.DEFINE_string('seeds', '0-15', "seeds, e.g. '0-63' or '0,5,9-12'")
 _LABELS = flags.DEFINE_list('labels', None, 'class labels, cycled over the seeds (default: seed mod classes)')
-_CFG = flags.DEFINE_float('cfg', None, 'guidance scale (default: config.sample.cfg)')
-_TOP_K = flags.DEFINE_integer('top_k', None, 'top-k, 0 = off (default: config.sample.top_k)')
-_TOP_P = flags.DEFINE_float('top_p', None, 'top-p in (0, 1] (default: config.sample.top_p)')
+_CFG = flags.DEFINE_float('cfg', None, 'guidance scale (default: the config\'s sample.cfg / sample.cfg_scale)')
+_TOP_K = flags.DEFINE_integer('top_k', None, 'VAR: top-k, 0 = off (default: config.sample.top_k)')
+_TOP_P = flags.DEFINE_float('top_p', None, 'VAR: top-p in (0, 1] (default: config.sample.top_p)')
+_NUM_ITER = flags.DEFINE_integer('num_iter', None, 'MAR: iterations (default: config.sample.num_iter)')
+_NUM_STEPS = flags.DEFINE_integer('num_steps', None, 'MAR: diffusion steps; E-CAR: Euler steps in all')
 _BATCH = flags.DEFINE_integer('batch_size', 1, 'images per sampler call')
 _LPIPS = flags.DEFINE_string('lpips', None, 'LPIPS params directory (python -m var_models.convert lpips)')
 _OUT = flags.DEFINE_string('out', 'compare', 'output directory')
@@ -56,7 +58,7 @@ _GRID = flags.DEFINE_integer('grid', 16, 'image pairs in each PNG grid')
 class Run:
   """What one sampler produced over the seeds."""
   images: np.ndarray              # [N, H, W, 3] in [0, 1]
-  indices: list[np.ndarray]       # per scale it ran, [N, pn * pn]
+  indices: Optional[list]         # VAR: per scale it ran, [N, pn * pn]; else None
   latency_ms: float               # median call, after a warm-up call
   compile_s: float
   peak_bytes: Optional[int]       # XLA's buffer assignment; None where the backend gives none
@@ -85,25 +87,27 @@ def peak_bytes(compiled) -> Optional[int]:
   return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
-def run_sampler(sample, params, seeds: list[int], labels: np.ndarray, batch: int, opts: dict) -> Run:
-  """Samples `seeds` (labels [N]) in calls of `batch` images; the last call padded and cut."""
+def run_sampler(family: Family, policy, seeds: list[int], labels: np.ndarray, batch: int) -> Run:
+  """Samples `seeds` (labels [N]) with `policy` in calls of `batch` images; the last call padded and cut."""
+  sample = family.make(policy)
   groups = [slice(i, i + batch) for i in range(0, len(seeds), batch)]
-  args = [(jax.random.key(seeds[g.start]), jnp.asarray(np.resize(labels[g], batch), jnp.int32)) for g in groups]
+  calls = [family.call(jax.random.key(seeds[g.start]), np.resize(labels[g], batch).astype(np.int32)) for g in groups]
   t0 = time.perf_counter()
-  compiled = sample.lower(params, args[0][0], np.asarray(args[0][1]), **opts).compile()
+  compiled = sample.lower(*calls[0][0], **calls[0][1]).compile()
   compile_s = time.perf_counter() - t0
-  cfg = jnp.float32(opts['cfg'])
-  jax.block_until_ready(compiled(params, *args[0], cfg))
+  run = lambda call: jax.block_until_ready(compiled(*sample.arguments(*call[0], **call[1])))
+  run(calls[0])
   images, indices, times = [], [], []
-  for g, (key, lab) in zip(groups, args):
+  for g, call in zip(groups, calls):
     t0 = time.perf_counter()
-    out, aux = jax.block_until_ready(compiled(params, key, lab, cfg))
+    out, aux = run(call)
     times.append(time.perf_counter() - t0)
     n = len(seeds[g])
     images.append(np.asarray(out, np.float32)[:n])
-    indices.append([np.asarray(i)[:n] for i in aux['indices']])
-  return Run(np.concatenate(images), [np.concatenate(s) for s in zip(*indices)],
-             statistics.median(times) * 1e3, compile_s, peak_bytes(compiled))
+    tokens = family.tokens(aux)
+    indices.append(None if tokens is None else [np.asarray(i)[:n] for i in tokens])
+  per_scale = None if indices[0] is None else [np.concatenate(s) for s in zip(*indices)]
+  return Run(np.concatenate(images), per_scale, statistics.median(times) * 1e3, compile_s, peak_bytes(compiled))
 
 
 def save_pairs(base: np.ndarray, other: np.ndarray, path: str, ncol: int = 4) -> None:
@@ -127,7 +131,7 @@ def table_row(spec: str, base: Run, acc: Run, m: dict) -> str:
   finite = m['psnr'][np.isfinite(m['psnr'])]
   psnr = f'{finite.mean():.2f}' if finite.size else 'inf'
   lp = '-' if m['lpips'] is None else f"{np.mean(m['lpips']):.4f}"
-  agree = ' '.join(f'{a:.3f}' for a in m['agreement'])
+  agree = '-' if m['agreement'] is None else ' '.join(f'{a:.3f}' for a in m['agreement'])
   return (f"| {spec} | {len(acc.images)} | {int(np.sum(~np.isfinite(m['psnr'])))} | {psnr} | "
           f"{np.mean(m['ssim']):.4f} | {lp} | {agree} | {base.latency_ms:.2f} | {acc.latency_ms:.2f} | "
           f'{base.latency_ms / acc.latency_ms:.2f}x | {_mib(base.peak_bytes)} | {_mib(acc.peak_bytes)} | '
@@ -139,19 +143,19 @@ TABLE_HEAD = ('| policy | images | identical | PSNR dB (others) | SSIM | LPIPS |
               'compile s (base / acc) |\n' + '| --- ' * 13 + '|')
 
 
-def compare(var_cfg, vq_cfg, params, policies: dict[str, ScalePolicy], seeds: list[int], labels: np.ndarray,
-            opts: dict, batch: int, out: str, lpips_params=None, grid: int = 16) -> str:
+def compare(family: Family, policies: dict, seeds: list[int], labels: np.ndarray, batch: int, out: str,
+            lpips_params=None, grid: int = 16) -> str:
   """Runs the baseline and each policy; writes summary.md, NAME.json, NAME.png; returns the table."""
   os.makedirs(out, exist_ok=True)
-  base = run_sampler(make_sampler(var_cfg, vq_cfg), params, seeds, labels, batch, opts)
+  base = run_sampler(family, policy_from_spec('baseline', family.name), seeds, labels, batch)
   rows = [TABLE_HEAD]
   for spec, policy in policies.items():
-    acc = run_sampler(make_sampler(var_cfg, vq_cfg, policy), params, seeds, labels, batch, opts)
+    acc = run_sampler(family, policy, seeds, labels, batch)
     m = metrics.summarise(base.images, acc.images, lpips_params)
-    m['agreement'] = metrics.token_agreement(base.indices, acc.indices)
+    m['agreement'] = None if base.indices is None else metrics.token_agreement(base.indices, acc.indices)
     name = spec.replace(':', '_').replace('+', '__')
     save_pairs(base.images[:grid], acc.images[:grid], os.path.join(out, f'{name}.png'))
-    record = {'policy': spec, 'seeds': seeds, 'labels': labels.tolist(), 'options': opts, 'batch': batch,
+    record = {'policy': spec, 'seeds': seeds, 'labels': labels.tolist(), 'options': family.opts, 'batch': batch,
               **{k: (None if v is None else np.asarray(v).tolist()) for k, v in m.items()},
               **{f'{who}_{k}': getattr(r, k) for who, r in (('baseline', base), ('accelerated', acc))
                  for k in ('latency_ms', 'compile_s', 'peak_bytes')}}
@@ -180,26 +184,21 @@ def _labels(seeds: list[int], num_classes: int) -> np.ndarray:
 def main(argv):
   del argv
   config = _CONFIG.value
-  if config.family != 'var':
-    raise ValueError(f'accel.compare runs next-scale (VAR) configs, got config.family={config.family!r}')
-  var_cfg, vq_cfg = var_configs(config)
-  s = config.sample
-  pick = lambda flag, default: default if flag.value is None else flag.value
-  opts = dict(cfg=pick(_CFG, s.cfg), top_k=pick(_TOP_K, s.top_k), top_p=pick(_TOP_P, s.top_p))
-  check_sample_args(var_cfg, np.zeros(1, np.int32), **opts)
+  overrides = dict(cfg=_CFG.value, top_k=_TOP_K.value, top_p=_TOP_P.value, num_iter=_NUM_ITER.value,
+                   num_steps=_NUM_STEPS.value)
   if _BATCH.value <= 0:
     raise ValueError(f'--batch_size must be positive, got {_BATCH.value}')
+  if not _POLICY.value:
+    raise ValueError('--policy: name at least one policy, e.g. fastvar:var256, lazymar:official, ecarcache:every_2')
   seeds = parse_seeds(_SEEDS.value)
-  labels = _labels(seeds, var_cfg.num_classes)
-  policies = {spec: policy_from_spec(spec) for spec in _POLICY.value}
-  for spec, policy in policies.items():   # settings that do not fit the model fail here, before compiling
-    policy.bind(var_cfg.schedule, var_cfg.depth)
+  family = family_from_config(config, _CKPT.value, overrides)
+  labels = _labels(seeds, family.num_classes)
+  policies = {spec: policy_from_spec(spec, family.name) for spec in _POLICY.value}
+  for policy in policies.values():   # settings that do not fit the model fail here, before compiling
+    family.make(policy)
   lpips_params = metrics.load_lpips(_LPIPS.value) if _LPIPS.value else None
-  params = (load_var_params(var_cfg, vq_cfg, _CKPT.value) if _CKPT.value
-            else init_var_params(var_cfg, vq_cfg, jax.random.key(0)))
-  print(f'device: {jax.devices()[0].device_kind}; {len(seeds)} images, batch {_BATCH.value}, {opts}', flush=True)
-  print(compare(var_cfg, vq_cfg, params, policies, seeds, labels, opts, _BATCH.value, _OUT.value, lpips_params,
-                _GRID.value))
+  print(f'device: {jax.devices()[0].device_kind}; {len(seeds)} images, batch {_BATCH.value}, {family.opts}', flush=True)
+  print(compare(family, policies, seeds, labels, _BATCH.value, _OUT.value, lpips_params, _GRID.value))
 
 
 if __name__ == '__main__':

@@ -8,9 +8,10 @@ other steps run the conditional half only and take v_u = v_c + that residual. Th
 velocity is v_u + scale * (v_c - v_u) either way. The full/cached choice is a `lax.cond` on the
 traced step inside the stage's Euler loop (the sampler's loop is a `fori_loop`).
 
-LazyMAR's other idea, a token cache on the last stage's denoiser, is not here: it pays only if
-the per-token change between Euler steps is small, which needs a trained model to measure (see
-benchmarks/RESULTS.md, "LazyMAR against the authors' code").
+LazyMAR's other idea, a token cache on the last stage's denoiser, is not here: measured
+(`benchmarks/ecar_token_cache.py`, benchmarks/RESULTS.md), most tokens' velocity moves < 1 % per
+step, but a denoiser block costs nearly as much on 4 tokens as on 64 at batch 1 (E-CAR-L, H200),
+so skipping tokens could save at most ~7 % of the sampler before its gathers and scatters.
 """
 from __future__ import annotations
 
@@ -59,11 +60,14 @@ class ECARConditionCache(Presets, StagePolicy):
         raise _error('stages', f'must be distinct stage indices, got {self.stages}')
       object.__setattr__(self, 'stages', stages)
 
-  def init_state(self, cfg, batch: int) -> dict:
-    """One residual [B, g, g, D] per stage (batch is the doubled 2B)."""
+  def bind(self, cfg) -> 'ECARConditionCache':
     n = cfg.num_stages
     if self.stages is not None and any(not -n <= s < n for s in self.stages):
       raise _error('stages', f'{self.stages} is outside the {n} stages')
+    return self
+
+  def init_state(self, cfg, batch: int) -> dict:
+    """One residual [B, g, g, D] per stage (batch is the doubled 2B)."""
     return {'residual': tuple(jnp.zeros((batch // 2, g, g, cfg.data_channels), jnp.float32)
                               for g in cfg.stage_sizes)}
 

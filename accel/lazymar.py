@@ -157,6 +157,7 @@ class _HeadHooks(HeadHooks):
   def __init__(self, kind: str, replayed: tuple[int, ...]):
     self.kind, self.replayed = kind, replayed
     self.skipped = () if kind == 'full' else replayed
+    self.needs_mlp = kind != 'cached'   # a cached step reuses every MLP output: only gates are computed
 
   def skip(self, index, x, state):
     return x + state['delta'][index], state
@@ -333,13 +334,13 @@ class LazyMAR(Presets, MARPolicy):
     state['encoded'] = state['kept'] = jnp.ones((batch, b.length), bool)
     if self.encoder:
       state['enc_k'] = state['enc_v'] = self._kv_cache(rows, 'encoder')
-      state['dec_in'] = jnp.zeros((rows, b.length, b.cfg.decoder_embed_dim), b.cfg.dtype)
+      state['dec_in'] = jnp.zeros((rows, b.length, b.cfg.decoder_embed_dim), jnp.float32)   # the residual stream's
     if self.decoder:
       kv = self._kv_cache(rows, 'decoder')
       state['v_sim'] = kv[0]
       state['dec_k'] = state['dec_v'] = kv[self.similarity_block + 1:]
     if self.condition:
-      state['diff'] = jnp.zeros((batch, b.length, b.cfg.decoder_embed_dim), b.cfg.dtype)
+      state['diff'] = jnp.zeros((batch, b.length, b.cfg.decoder_embed_dim), jnp.float32)
     return state
 
   def _rows(self, batch: int) -> int:
@@ -379,8 +380,8 @@ class LazyMAR(Presets, MARPolicy):
     rows = state['dec_in'].shape[0]
     if plan.tag != 'full':
       fresh = _positions_mask(state['it']['enc_idx'], self._bound().length)
-      x = jnp.where(fresh[..., None], x, state['dec_in'])
-    return x, {**state, 'dec_in': x[:rows]}
+      x = jnp.where(fresh[..., None], x, state['dec_in'].astype(x.dtype))
+    return x, {**state, 'dec_in': x[:rows].astype(jnp.float32)}
 
   def decoder_hooks(self, plan: IterPlan, depth: int):
     if not self.decoder or plan.tag is None:
@@ -403,9 +404,9 @@ class LazyMAR(Presets, MARPolicy):
       kept = jnp.ones_like(kept)
     if self.condition and plan.tag is not None:
       if plan.uncond:
-        state = {**state, 'diff': x[batch:] - x[:batch]}
+        state = {**state, 'diff': (x[batch:] - x[:batch]).astype(jnp.float32)}
       else:
-        x = jnp.concatenate([x, x + state['diff']])
+        x = jnp.concatenate([x, (x + state['diff']).astype(x.dtype)])
     state = {k: v for k, v in state.items() if k != 'it'}
     return x, {**state, 'prev_pred': it['pred'], 'kept': kept}
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from configs import mar as mar_configs
 from timing import print_top_device_ops, time_compiled
-from train import models
+from var_models.mar import from_config as models
 from var_models.mar.sampler import make_mar_sampler
 
 

@@ -37,7 +37,7 @@ import torch
 
 from parity_common import randomize_, rel_err, report
 
-# benchmarks/accel.py would shadow the accel package: look in this directory last.
+# benchmarks/accelerators.py would shadow the accel package: look in this directory last.
 sys.path.append(sys.path.pop(0))
 from accel.lazymar import LazyMAR  # pylint: disable=wrong-import-position
 from var_models.convert.mar import convert_mar

@@ -11,7 +11,7 @@ Public API:
   stage_flow, renoise_jump, block_noise  -- the multistage flow's pieces
 """
 from ecar.config import ECARConfig
-from ecar.from_config import ecar_config
+from ecar.from_config import ecar_config, ecar_params
 from ecar.flops import sampling_flops
 from ecar.flow import block_noise, renoise_jump, stage_flow
 from ecar.gradnorm import GradNormState

@@ -1,9 +1,16 @@
-"""`ecar_config`: an ECARConfig from a configs/ecar.py ml_collections config, every error naming its key."""
+"""`ecar_config`: an ECARConfig from a configs/ecar.py ml_collections config, every error naming its key;
+`ecar_params`: its parameters, random or from checkpoints."""
 from __future__ import annotations
+
+from typing import Optional
+
+import jax
 
 from ecar.config import ECARConfig, ECARConfigError
 from ecar.loss import check_gradnorm_layer
-from ecar.model import abstract_params
+from ecar.latents import init_vae_params
+from ecar.model import abstract_params, init_params
+from var_models import checkpoint
 from var_models.nn.checks import check_attn_backend, compute_dtype
 from var_models.tokenizers.autoencoder_kl import AutoencoderKLConfig
 
@@ -51,3 +58,24 @@ def ecar_config(config) -> ECARConfig:
   except ValueError as e:
     raise ValueError(f'config.gradnorm.layer: {e}') from None
   return cfg
+
+
+def ecar_params(cfg: ECARConfig, ckpt: Optional[str], vae_ckpt: Optional[str], key) -> dict:
+  """{'ecar', 'vae'} params: E-CAR's from `ckpt` (a training workdir or a params checkpoint), else random;
+  the frozen VAE of a latent-space E-CAR (None in pixel space) from `vae_ckpt`, else `ckpt`'s export,
+  else random."""
+  k_model, k_vae = jax.random.split(key)
+  model = checkpoint.load_component(ckpt, 'ecar', abstract_params(cfg)) if ckpt else init_params(cfg, k_model)
+  vae_ckpt = vae_ckpt or ckpt
+  if cfg.latent_space == 'pixel':
+    vae = None
+  elif not vae_ckpt:
+    vae = init_vae_params(cfg, k_vae)
+  else:
+    abstract = jax.eval_shape(lambda k: init_vae_params(cfg, k), jax.random.key(0))
+    try:
+      vae = checkpoint.load_component(vae_ckpt, 'vae', abstract)
+    except ValueError as e:
+      raise ValueError(f'{e}; E-CAR in latent space needs its frozen VAE: --config.vae_ckpt '
+                       "(python -m var_models.convert sdxl-vae), else the --ckpt workdir's export") from None
+  return {'ecar': model, 'vae': vae}

@@ -39,6 +39,11 @@ class Denoise(NamedTuple):
 class StagePolicy:
   """The baseline policy."""
 
+  def bind(self, cfg) -> 'StagePolicy':
+    """The policy for this `ECARConfig` (the base needs nothing); raises ValueError naming the setting
+    that does not fit it. The sampler binds its policy when built, before anything compiles."""
+    return self
+
   def init_state(self, cfg, batch: int) -> Any:
     """State before stage 0; `batch` is the doubled batch 2B."""
     return None

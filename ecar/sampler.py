@@ -59,7 +59,7 @@ class _Sampler:
   """Static parts (config, steps, policy); `__call__` is the public sampler."""
 
   def __init__(self, cfg: ECARConfig, steps: tuple[int, ...], policy: StagePolicy, return_intermediates: bool):
-    self.cfg, self.steps, self.policy = cfg, steps, policy
+    self.cfg, self.steps, self.policy = cfg, steps, policy.bind(cfg)
     self.model, self.flow = ECAR(cfg), cfg.flow
     self.return_intermediates = return_intermediates
     self._jitted = jax.jit(self._sample)
@@ -70,6 +70,10 @@ class _Sampler:
   def lower(self, params, vae_params, key, labels, *, cfg_scale: float):
     """The lowered program (for compile time and FLOP accounting); params may be ShapeDtypeStructs."""
     return self._jitted.lower(*self._checked(params, vae_params, key, labels, cfg_scale))
+
+  def arguments(self, params, vae_params, key, labels, *, cfg_scale: float) -> tuple:
+    """The arguments of the program `lower` returns, for the same call (to run it compiled)."""
+    return self._checked(params, vae_params, key, labels, cfg_scale)
 
   def _checked(self, params, vae_params, key, labels, cfg_scale):
     check_labels(labels, self.cfg.num_classes)

@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from accel import FastVAR, metrics
+from accel import ECARConditionCache, FastVAR, LazyMAR, metrics
 from accel.compare import compare, parse_seeds
+from accel.families import family_from_config
+from accel.specs import policy_from_spec
+from configs import ecar as ecar_configs
+from configs import mar as mar_configs
 from configs import var as var_configs
-from var_models.var.from_config import init_var_params, var_configs as model_configs
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -64,13 +67,10 @@ def test_parse_seeds():
 
 
 def test_compare_on_a_tiny_model_writes_table_pairs_and_per_image_figures(tmp_path):
-  config = var_configs.get_config('tiny')
-  var_cfg, vq_cfg = model_configs(config)
-  params = init_var_params(var_cfg, vq_cfg, jax.random.key(0))
+  family = family_from_config(var_configs.get_config('tiny'), overrides=dict(cfg=1.5, top_k=0, top_p=1.0))
   policy = FastVAR(ratios=((4, 0.5), (8, 1.0)), cache_at=2)
   seeds, labels = [0, 1, 2], np.array([3, 1, 4], np.int32)
-  table = compare(var_cfg, vq_cfg, params, {'fastvar:tiny': policy}, seeds, labels,
-                  dict(cfg=1.5, top_k=0, top_p=1.0), 2, str(tmp_path), grid=3)
+  table = compare(family, {'fastvar:tiny': policy}, seeds, labels, 2, str(tmp_path), grid=3)
   assert table.splitlines()[-1].startswith('| fastvar:tiny | 3 |')
   record = json.loads((tmp_path / 'fastvar_tiny.json').read_text())
   assert len(record['psnr']) == len(record['ssim']) == 3 and record['lpips'] is None
@@ -79,6 +79,31 @@ def test_compare_on_a_tiny_model_writes_table_pairs_and_per_image_figures(tmp_pa
   grid = np.asarray(Image.open(tmp_path / 'fastvar_tiny.png'))
   assert grid.shape[0] == 32 + 4 and grid.shape[1] == 4 * (2 * 32 + 12)
   assert os.path.exists(tmp_path / 'summary.md')
+
+
+@pytest.mark.parametrize('variant,spec,policy', [
+    ('mar', 'lazymar:no_decoder', LazyMAR(scaled=True, decoder=False, head_skip=(1,))),  # tiny: 1 + 2 blocks
+    ('ecar', 'ecarcache:every_2', ECARConditionCache(interval=2))])
+def test_compare_runs_mar_and_ecar_policies_and_the_baseline_against_itself(tmp_path, variant, spec, policy):
+  config = (mar_configs if variant == 'mar' else ecar_configs).get_config('tiny')
+  family = family_from_config(config, overrides=dict(num_steps=6))
+  seeds, labels = [0, 1], np.array([3, 1], np.int32)
+  table = compare(family, {spec: policy, 'baseline': policy_from_spec('baseline', family.name)}, seeds, labels, 2,
+                  str(tmp_path), grid=2)
+  rows = table.splitlines()
+  assert rows[-2].startswith(f'| {spec} | 2 |') and rows[-1].startswith('| baseline | 2 | 2 | inf |')
+  record = json.loads((tmp_path / f"{spec.replace(':', '_')}.json").read_text())
+  assert record['agreement'] is None and len(record['ssim']) == 2 
+  assert record['options']['num_diffusion_steps' if variant == 'mar' else 'num_steps'] == 6
+
+
+def test_family_rejects_settings_of_another_family_and_policies_of_another_family():
+  with pytest.raises(ValueError, match=r"\['top_k'\] do not apply to config.family='ecar'"):
+    family_from_config(ecar_configs.get_config('tiny'), overrides=dict(top_k=5))
+  with pytest.raises(ValueError, match="accelerates MAR samplers, not a 'var' config"):
+    policy_from_spec('lazymar:official', 'var')
+  with pytest.raises(ValueError, match="composes next-scale"):
+    policy_from_spec('ecarcache:every_2+baseline', 'ecar')
 
 
 def test_command_line_rejects_a_preset_that_does_not_fit_before_compiling(tmp_path):

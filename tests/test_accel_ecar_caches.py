@@ -66,9 +66,9 @@ def test_bad_settings_name_their_field(settings, message):
     ECARConditionCache(**settings)
 
 
-def test_stages_outside_the_model_are_rejected_before_compiling():
+def test_stages_outside_the_model_are_rejected_when_the_sampler_is_built():
   with pytest.raises(ValueError, match='ECARConditionCache.stages'):
-    ECARConditionCache(stages=(5,)).init_state(CFG, 2)
+    ecar.make_sampler(CFG, num_steps=6, policy=ECARConditionCache(stages=(5,)))
 
 
 def test_unknown_preset_lists_the_known_ones():

@@ -65,6 +65,13 @@ def test_all_caches_record_refreshes_encoder_sets_and_kept_counts(params, baseli
   assert np.isfinite(tokens).all() and not np.array_equal(tokens, baseline_tokens)
 
 
+def test_every_cache_traces_with_bfloat16_compute(params):
+  """The caches keep the dtypes of what they hold, so the scan carries match in bf16 (the GPU setting)."""
+  cfg = dataclasses.replace(CFG, dtype=jnp.bfloat16)
+  sample = make_mar_sampler(cfg, VAE_CFG, num_iter=NUM_ITER, policy=LazyMAR(**TINY))
+  sample.lower(params, jax.random.key(3), LABELS, cfg=3.0)
+
+
 def test_keep_count_is_the_larger_of_the_predictions_plus_extra_and_the_ratio():
   assert keep_count(320, 0.05, 3, 4, 15) == 22 and keep_count(320, 0.15, 3, 4, 15) == 48
   assert keep_count(320, 0.12, 1, 1, 15) == 38 and keep_count(20, 1.0, 9, 9, 15) == 20
@@ -136,7 +143,8 @@ def test_cached_head_step_right_after_a_full_one_on_the_same_input_repeats_it():
     both = cache.uncond(kind)
     run = [i for i in range(net.num_res_blocks) if i not in cache.hooks(kind).skipped]
     xx, tt, cc = (jnp.concatenate([x, x]), jnp.concatenate([t, t]), z) if both else (x, t, z[:3])
-    out, state = net.apply({'params': head}, xx, tt, cc, merged_adaln(head, run), cache.hooks(kind), state,
+    adaln = merged_adaln(head, run, gates_only=not cache.hooks(kind).needs_mlp)   # a cached step: gates only
+    out, state = net.apply({'params': head}, xx, tt, cc, adaln, cache.hooks(kind), state,
                            method=SimpleMLPAdaLN.forward_hooked)
     eps, state = cache.guide(kind, out[:3, :4], out[3:, :4] if both else None, 2.0, state)
     outs.append(eps)

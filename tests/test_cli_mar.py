@@ -11,7 +11,7 @@ from PIL import Image
 from configs import mar as mar_configs_mod
 from test_autoencoder_kl import official_state_dict as vae_state_dict
 from test_mar import official_state_dict as mar_state_dict
-from train import models
+from var_models.mar import from_config as models
 from var_models import checkpoint
 from var_models.convert.__main__ import convert_mar_files
 

@@ -24,10 +24,9 @@ from tqdm import tqdm
 import jax
 
 import ecar
-from ecar.model import abstract_params
 from train import grid as grid_lib
-from train import models
 from var_models import checkpoint
+from var_models.mar.from_config import init_mar_params, load_mar_params, mar_configs
 from var_models.mar.sampler import check_mar_sample_args, make_mar_sampler
 from var_models.nn.checks import check_labels
 from var_models.var.from_config import init_var_params, load_var_params, var_configs
@@ -98,7 +97,7 @@ def _var_sampler(config, key, batch):
 
 def _mar_sampler(config, key, batch):
   """(sample(params, key, labels) -> images, params) for a MAR config."""
-  mar_cfg, vae_cfg = models.mar_configs(config)
+  mar_cfg, vae_cfg = mar_configs(config)
   s = config.sample
   cfg = _pick(_CFG, s.cfg)
   opts = dict(cfg=cfg, cfg_schedule=_pick(_SCHEDULE, s.cfg_schedule), temperature=_pick(_TEMP, s.temperature))
@@ -106,23 +105,9 @@ def _mar_sampler(config, key, batch):
                         cfg_schedule=opts['cfg_schedule'], temperature=opts['temperature'])
   sampler = make_mar_sampler(mar_cfg, vae_cfg, num_iter=_pick(_NUM_ITER, s.num_iter), guided=cfg != 1.0,
                              num_diffusion_steps=_pick(_STEPS, s.num_diffusion_steps))
-  params = (models.load_mar_params(mar_cfg, vae_cfg, _CKPT.value) if _CKPT.value
-            else models.init_mar_params(mar_cfg, vae_cfg, key))
+  params = (load_mar_params(mar_cfg, vae_cfg, _CKPT.value) if _CKPT.value
+            else init_mar_params(mar_cfg, vae_cfg, key))
   return (lambda p, k, labels: sampler(p, k, labels, **opts)[0]), params
-
-
-def _ecar_vae(cfg, vae_ckpt: str, key):
-  """The frozen VAE of a latent-space E-CAR (None in pixel space): from `vae_ckpt`, else random."""
-  if cfg.latent_space == 'pixel':
-    return None
-  if not vae_ckpt:
-    return ecar.init_vae_params(cfg, key)
-  abstract = jax.eval_shape(lambda k: ecar.init_vae_params(cfg, k), jax.random.key(0))
-  try:
-    return models.load_component(vae_ckpt, 'vae', abstract)
-  except ValueError as e:
-    raise ValueError(f'{e}; E-CAR in latent space needs its frozen VAE: --config.vae_ckpt '
-                     '(python -m var_models.convert sdxl-vae), else the --ckpt workdir\'s export') from None
 
 
 def _ecar_sampler(config, key, batch):
@@ -133,11 +118,7 @@ def _ecar_sampler(config, key, batch):
   if not np.isfinite(cfg_scale):
     raise ValueError(f'--cfg must be finite, got {cfg_scale}')
   sampler = ecar.make_sampler(cfg, num_steps=_pick(_EULER, s.num_steps))
-  k_model, k_vae = jax.random.split(key)
-  ckpt = _CKPT.value
-  params = {'ecar': (models.load_component(ckpt, 'ecar', abstract_params(cfg)) if ckpt
-                     else ecar.init_params(cfg, k_model)),
-            'vae': _ecar_vae(cfg, config.vae_ckpt or ckpt, k_vae)}
+  params = ecar.ecar_params(cfg, _CKPT.value, config.vae_ckpt, key)
   return (lambda p, k, labels: sampler(p['ecar'], p['vae'], k, labels, cfg_scale=cfg_scale)[0]), params
 
 

@@ -32,10 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from train import models
 from train.validate import check_vqvae_loss
+from var_models import checkpoint
 from var_models.mar import model as mar_lib
+from var_models.mar.from_config import mar_configs
 from var_models.mar.sampler import check_mar_sample_args, make_mar_sampler
+from var_models.nn.checks import compute_dtype
 from var_models.tokenizers import lpips as lpips_lib
 from var_models.tokenizers.autoencoder_kl import AutoencoderKL, sample_posterior
 from var_models.tokenizers.patch_discriminator import PatchDiscriminator, discriminator_hinge_loss, generator_loss
@@ -106,7 +108,7 @@ def _frozen(path: str, name: str, shapes: Callable[[Any, Array], Any], cfg, seed
   """The tokenizer from a checkpoint directory, else a random stand-in."""
   abstract = jax.eval_shape(functools.partial(shapes, cfg), jax.random.key(seed))
   if path:
-    return models.load_component(path, name, abstract)
+    return checkpoint.load_component(path, name, abstract)
   logging.warning('config.%s is empty: the frozen %s is random, so samples will not look like the data',
                   config_key, name)
   return random_stand_in(abstract, seed)
@@ -174,7 +176,7 @@ def _posterior_draw(moments: Array, scale: float, key: Array) -> Array:
 
 
 def mar_task(config) -> Task:
-  mar_cfg, vae_cfg = models.mar_configs(config)
+  mar_cfg, vae_cfg = mar_configs(config)
   model = mar_lib.MAR(mar_cfg)
   frozen = _frozen(config.vae_ckpt, 'vae', _vae_shapes, vae_cfg, config.train.seed + 1, 'vae_ckpt')
   moments = _kl_moments(AutoencoderKL(vae_cfg))
@@ -241,7 +243,7 @@ def _lpips_params(config, dtype) -> Any:
   released ones are), so that the random distance still grows with the difference."""
   abstract = jax.eval_shape(functools.partial(_lpips_shapes, dtype), jax.random.key(0))
   if config.lpips_ckpt:
-    return models.load_component(config.lpips_ckpt, 'lpips', abstract)
+    return checkpoint.load_component(config.lpips_ckpt, 'lpips', abstract)
   logging.warning('config.lpips_ckpt is empty: the perceptual loss is a random VGG16, not LPIPS '
                   '(python -m var_models.convert lpips writes one)')
   params = random_stand_in(abstract, config.train.seed + 1)
@@ -277,7 +279,7 @@ def vqvae_task(config) -> Task:
   """
   vq_cfg = vqvae_config(config)
   check_vqvae_loss(config, vq_cfg.image_size)
-  q, dtype, accum = config.loss, models.compute_dtype(config), config.train.grad_accum
+  q, dtype, accum = config.loss, compute_dtype(config.dtype), config.train.grad_accum
   vq, disc, lpips = VQVAE(vq_cfg), PatchDiscriminator(q.disc_channels, q.disc_layers, dtype), lpips_lib.LPIPS(dtype)
   perceptual = q.perceptual_weight > 0
   frozen = _lpips_params(config, dtype) if perceptual else None

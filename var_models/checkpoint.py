@@ -51,14 +51,35 @@ def check_tree(expected, got, what: str = 'checkpoint') -> None:
       raise ValueError(f'{what} parameter {k} has shape {have[k]}, expected {exp[k]}')
 
 
-def load_params(directory: str, abstract: Any) -> Any:
-  """Restores params laid out like `abstract` (arrays or ShapeDtypeStructs)."""
+def _restore(directory: str, check) -> Any:
+  """Opens `directory`'s params checkpoint, calls check(stored metadata) -> the abstract tree to
+  restore (checked against the metadata), and restores it."""
   path = os.path.join(os.path.abspath(directory), _PARAMS)
   if not os.path.isdir(path):
     raise FileNotFoundError(f'no parameter checkpoint at {path}')
   with ocp.StandardCheckpointer() as ckptr:
     stored = ckptr.metadata(path)
-    stored = getattr(stored, 'item_metadata', stored)
+    target = check(getattr(stored, 'item_metadata', stored))
+    return ckptr.restore(path, jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target))
+
+
+def load_params(directory: str, abstract: Any) -> Any:
+  """Restores params laid out like `abstract` (arrays or ShapeDtypeStructs)."""
+  def check(stored):
     check_tree(abstract, stored, f'checkpoint {directory}')
-    target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
-    return ckptr.restore(path, target)
+    return abstract
+  return _restore(directory, check)
+
+
+def load_component(directory: str, name: str, abstract: Any) -> Any:
+  """One part (e.g. 'vqvae', 'vae') of a params checkpoint laid out like `abstract`.
+
+  The checkpoint may hold other parts of any shape (a converted {'var', 'vqvae'}
+  of another depth); only `name` is checked and returned.
+  """
+  def check(stored):
+    if name not in stored:
+      raise ValueError(f'checkpoint {directory} holds no {name!r} parameters (it has {sorted(stored)})')
+    check_tree(abstract, stored[name], f'checkpoint {directory} [{name!r}]')
+    return dict(stored)
+  return _restore(directory, check)[name]

@@ -66,11 +66,12 @@ class ResBlock(nn.Module):
   @nn.compact
   def __call__(self, x: Array, y: Array, mod: Optional[Array] = None, hooks: Optional['HeadHooks'] = None,
                index: int = 0, state: Any = None):
-    """mod [N, 3w]: this block's adaLN output when the caller computed it (see `merged_adaln`).
+    """mod [N, 3w]: this block's adaLN output when the caller computed it (see `merged_adaln`), or
+    [N, w], its gate alone, for hooks that never run the MLP (`HeadHooks.needs_mlp`).
     With `hooks` (a sampling policy's, see `HeadHooks`) returns (x, state), else x."""
     if mod is None:
       mod = _dense(3 * self.width, 'adaLN_modulation_1', self.dtype, _zeros)(nn.silu(y))
-    shift, scale, gate = jnp.split(mod, 3, axis=-1)
+    shift, scale, gate = (None, None, mod) if mod.shape[-1] == self.width else jnp.split(mod, 3, axis=-1)
 
     def mlp():
       h = nn.LayerNorm(epsilon=1e-6, use_fast_variance=False, dtype=self.dtype, name='in_ln')(x)
@@ -86,6 +87,7 @@ class HeadHooks:
   """One DiffLoss sampling step's hooks on the res blocks (a sampling policy's head cache, e.g.
   LazyMAR's). The base runs every block."""
   skipped: tuple[int, ...] = ()   # blocks that do not run at all: `skip` makes their output
+  needs_mlp: bool = True          # False: `res_block` never calls mlp(), so only the adaLN gates are computed
 
   def skip(self, index: int, x: Array, state: Any) -> tuple[Array, Any]:
     """The output of skipped block `index` from its input x [N, w]."""
@@ -113,12 +115,15 @@ class FinalLayer(nn.Module):
     return _dense(self.out_channels, 'linear', self.dtype, _zeros)(modulate(h, shift, scale))
 
 
-def merged_adaln(params, blocks: Optional[Sequence[int]] = None) -> tuple[Array, Array]:
+def merged_adaln(params, blocks: Optional[Sequence[int]] = None, gates_only: bool = False) -> tuple[Array, Array]:
   """The adaLN Linears of the res blocks `blocks` (default: all) and of the final layer, concatenated
-  (they all read the same SiLU(y)): (kernel [w, (3 len(blocks) + 2) w], bias), see `concat_dense`."""
+  (they all read the same SiLU(y)): (kernel [w, (3 len(blocks) + 2) w], bias), see `concat_dense`.
+  gates_only: of the blocks' Linears only the gate's columns (kernel [w, (len(blocks) + 2) w])."""
   if blocks is None:
     blocks = range(sum(1 for k in params if k.startswith('res_blocks_')))
   layers = [params[f'res_blocks_{i}']['adaLN_modulation_1'] for i in blocks]
+  if gates_only:   # (shift, scale, gate) are the Linear's three equal column blocks
+    layers = [{k: v[..., 2 * v.shape[-1] // 3:] for k, v in layer.items()} for layer in layers]
   return concat_dense(layers + [params['final_layer']['adaLN_modulation_1']])
 
 
@@ -158,7 +163,8 @@ class SimpleMLPAdaLN(nn.Module):
     run = [i for i in range(self.num_res_blocks) if i not in skipped]
     mods = [None] * (len(run) + 1)
     if adaln is not None:
-      mods = merged_modulations(y, adaln, 3 * self.model_channels, len(run), self.dtype)
+      per_block = 3 if hooks is None or hooks.needs_mlp else 1
+      mods = merged_modulations(y, adaln, per_block * self.model_channels, len(run), self.dtype)
     mod_of = dict(zip(run, mods))
     for i, block in enumerate(self.res_blocks):
       if hooks is None:
@@ -271,7 +277,8 @@ def diffloss_sample_cached(net: SimpleMLPAdaLN, params, z: Array, x_T: Array, no
   r, c = x_T.shape
   kinds = cache.kinds(diffusion.num_timesteps)
   run = lambda kind: [i for i in range(net.num_res_blocks) if i not in cache.hooks(kind).skipped]
-  adaln = {kind: merged_adaln(params, run(kind)) for kind in dict.fromkeys(kinds)}
+  adaln = {kind: merged_adaln(params, run(kind), gates_only=not cache.hooks(kind).needs_mlp)
+           for kind in dict.fromkeys(kinds)}
 
   def model_fn(kind, x, t, i, state):
     both = cache.uncond(kind)

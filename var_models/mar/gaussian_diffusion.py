@@ -209,7 +209,10 @@ class GaussianDiffusion:
       i = start + r * period
       for kind, length in runs:
         one = functools.partial(step, kind)
-        carry = one(i, carry) if length == 1 else jax.lax.fori_loop(i, i + length, one, carry)
+        # A static trip count (0..length, offset by i) keeps XLA from reading the loop bound back
+        # to the host at every step (i is traced inside a folded pattern).
+        carry = one(i, carry) if length == 1 else jax.lax.fori_loop(
+            0, length, lambda j, c, one=one, i=i: one(i + j, c), carry)
         i = i + length
       return carry
 

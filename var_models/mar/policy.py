@@ -2,11 +2,11 @@
 
 The MAR sampler first binds its policy to the model, the iteration count, the guidance and
 the head's step count (`bind`: settings that do not fit them are an error before anything
-compiles), runs its iterations as segments of equal static *plans*, one `lax.scan` per
-segment, and at every iteration asks its policy:
+compiles), runs its iterations as one `lax.scan` whose body switches between the distinct
+static *plans*, and at every iteration asks its policy:
   - `plan`: one `IterPlan` per iteration: whether the unconditional half of the
     CFG batch runs, and a static tag of the policy's own (say, how many tokens the
-    decoder forwards); consecutive equal plans share one compiled scan body;
+    decoder forwards); equal plans share one compiled branch of the scan body;
   - `begin`: to note the iteration's facts (which tokens are still unknown, which
     ones it predicts) in the policy's state;
   - `encoder_hooks` / `decoder_hooks`: per block, which tokens each sub-layer
@@ -108,14 +108,3 @@ BASELINE = MARPolicy()
 def check_plans(plans: Sequence[IterPlan], num_iter: int) -> None:
   if len(plans) != num_iter or not all(isinstance(p, IterPlan) for p in plans):
     raise ValueError(f'a MAR policy plan must hold one IterPlan per iteration ({num_iter}), got {plans!r}')
-
-
-def segments(plans: Sequence[IterPlan]) -> list[tuple[int, int, IterPlan]]:
-  """Runs [(start, end, plan)] of consecutive equal plans."""
-  runs = []
-  for i, p in enumerate(plans):
-    if runs and runs[-1][2] == p:
-      runs[-1] = (runs[-1][0], i + 1, p)
-    else:
-      runs.append((i, i + 1, p))
-  return runs

@@ -30,7 +30,8 @@ share the diffusion noise, eps = eps_u + s * (eps_c - eps_u), and s is 'linear'
 A `policy` (`var_models.mar.policy.MARPolicy`; LazyMAR is one) chooses per
 iteration which tokens each encoder and decoder block forwards, what they attend
 to and restore from its caches, and whether the unconditional half runs; the
-iterations run as one scan per segment of equal static plans.
+iterations run as one scan; with several distinct static plans, its body switches to the
+iteration's (each plan compiled once, however often the schedule alternates between them).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ import numpy as np
 from var_models.mar.diffloss import diffloss_model_fn, diffloss_sample, diffloss_sample_cached
 from var_models.mar.gaussian_diffusion import create_diffusion
 from var_models.mar.model import MAR, MARConfig, diffloss_net, key_mask
-from var_models.mar.policy import BASELINE, IterInfo, IterPlan, MARPolicy, check_plans, segments
+from var_models.mar.policy import BASELINE, IterInfo, IterPlan, MARPolicy, check_plans
 from var_models.nn.blocks import dense_params_in
 from var_models.nn.checks import check_labels
 from var_models.tokenizers.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
@@ -138,6 +139,11 @@ class _MARSampler:
                                  forced_tokens)
     return self._jitted.lower(*args, **static)
 
+  def arguments(self, params, key, labels, *, cfg: float = 1.0, cfg_schedule: str = 'linear',
+                temperature: float = 1.0, orders=None, noises=None, forced_tokens=None) -> tuple:
+    """The arguments of the program `lower` returns, for the same call (to run it compiled)."""
+    return self._checked(params, key, labels, cfg, cfg_schedule, temperature, orders, noises, forced_tokens)[0]
+
   def _checked(self, params, key, labels, cfg, cfg_schedule, temperature, orders, noises, forced):
     """Validates the arguments (before anything compiles) -> (traced args, static kwargs)."""
     check_mar_sample_args(self.cfg, labels, cfg, self.guided, cfg_schedule, temperature)
@@ -180,17 +186,20 @@ class _MARSampler:
       return self._iteration(params, plan, jax.random.fold_in(key, xs['i']), carry, rank, order, class_emb, xs,
                              guidance, temperature)
 
-    carry, records = (jnp.zeros((b, n, d), jnp.float32), self.policy.init_state(b, self.guided)), []
-    for start, end, plan in segments(self.plans):
-      xs = jax.tree_util.tree_map(lambda a: a[start:end], per_step)
-      carry, rec = jax.lax.scan(functools.partial(step, plan), carry, xs)
-      records.append(rec)
-    tokens = carry[0]
+    carry = (jnp.zeros((b, n, d), jnp.float32), self.policy.init_state(b, self.guided))
+    plans = list(dict.fromkeys(self.plans))   # the distinct plans, each traced and compiled once
+    if len(plans) == 1:
+      body = functools.partial(step, plans[0])
+    else:
+      per_step['plan'] = jnp.asarray([plans.index(p) for p in self.plans], jnp.int32)
+      branches = [functools.partial(step, p) for p in plans]
+      body = lambda c, xs: jax.lax.switch(xs['plan'], branches, c, xs)
+    (tokens, _), records = jax.lax.scan(body, carry, per_step)
     latents = self.model.apply(mp, tokens, method=MAR.unpatchify) / self.vae_scale
     images = self.vae.apply({'params': params['vae']}, latents, method=AutoencoderKL.decode)
     aux = {'tokens': tokens}
     if self.record:
-      aux['iterations'] = jax.tree_util.tree_map(lambda *r: jnp.concatenate(r), *records)
+      aux['iterations'] = records
     return jnp.clip((images + 1) * 0.5, 0, 1), aux
 
   def _iteration(self, params, plan: IterPlan, key, carry, rank, order, class_emb, xs, guidance, temperature):

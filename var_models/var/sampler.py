@@ -118,6 +118,10 @@ class _Sampler:
     args, static = self._checked(params, key, labels, cfg, top_k, top_p)
     return self._jitted.lower(*args, **static)
 
+  def arguments(self, params, key, labels, *, cfg=1.5, top_k=0, top_p=1.0) -> tuple:
+    """The arguments of the program `lower` returns, for the same call (to run it compiled)."""
+    return self._checked(params, key, labels, cfg, top_k, top_p)[0]
+
   def _checked(self, params, key, labels, cfg, top_k, top_p):
     """Validates the arguments (before anything compiles) -> (traced args, static kwargs)."""
     check_sample_args(self.var_cfg, labels, cfg, top_k, top_p)

@@ -1,6 +1,7 @@
-"""Accelerated next-scale samplers against our own unaccelerated one, side by side in one process.
+"""Accelerated samplers against our own unaccelerated ones, side by side in one process.
 
-  python benchmarks/accel.py --models infinity_2b,d30 --batches 1,8 --profile /tmp/accel_prof
+  python benchmarks/accelerators.py --models infinity_2b,d30 --batches 1,8 --profile /tmp/accel_prof
+  python benchmarks/accelerators.py --mar_sizes base,huge --ecar_sizes L --batches 1,16 --iters 3 --warmup 1
 
 Models (random weights, official init; VAR weights stored in bf16, bf16 compute, cuDNN
 attention on both sides; cfg 1.5, top-k 900, top-p 0.96):
@@ -30,27 +31,21 @@ import itertools
 import json
 import os
 import statistics
-import sys
 import time
 
-# Run as a script, this file's folder comes first on the path and its name would shadow the
-# `accel` package: look the package up first, this folder's helpers (timing) after it.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or '.') != _HERE] + [_HERE]
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from accel import policy_from_spec  # noqa: E402
-from accel.compare import peak_bytes  # noqa: E402
-from timing import call_times, device_events  # noqa: E402
-from var_models.flop_count import flops  # noqa: E402
-from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig  # noqa: E402
-from var_models.var.from_config import init_var_params  # noqa: E402
-from var_models.var.model import VARConfig  # noqa: E402
-from var_models.var.sampler import make_sampler  # noqa: E402
-from var_models.var.schedules import INFINITY_1024, VAR_256  # noqa: E402
+from accel import policy_from_spec
+from accel.compare import peak_bytes
+from timing import call_times, device_events, print_top_device_ops
+from var_models.flop_count import flops
+from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig
+from var_models.var.from_config import init_var_params
+from var_models.var.model import VARConfig
+from var_models.var.sampler import make_sampler
+from var_models.var.schedules import INFINITY_1024, VAR_256
 
 LAZYVAR_INFINITY = ('infinity_2b', 'no_pgd', 'no_cum', 'group5', 'keep40_20', 'keep0_0')
 MODELS = {
@@ -236,47 +231,60 @@ def flop_table(args) -> None:
 
 
 MAR_PRESETS = ('official', 'encoder_only', 'decoder_only', 'condition_only', 'head_only')
+ECAR_PRESETS = ('every_2', 'every_3', 'every_5', 'last_every_3')
 
 
-def mar_main(args) -> None:
-  """--mar_sizes: LazyMAR against our MAR baseline (configs/mar.py sizes, random weights, official init,
-  bf16 compute, float32 parameters, the KL-16 decoder included), 64 iterations, 100 diffusion steps,
-  cfg 3.0 on the linear schedule, per size and batch the baseline and each --mar_presets preset:
-  compiled in a pool, then timed alone as the VAR rows (medians of --iters calls after --warmup)."""
-  from accel.lazymar import LazyMAR   # pylint: disable=import-outside-toplevel
+def family_configs(args) -> list[tuple[str, object, tuple[str, ...]]]:
+  """(label, config, policy specs) of each --mar_sizes and --ecar_sizes model: configs/mar.py and
+  configs/ecar.py with bf16 compute (float32 parameters), cudnn attention."""
+  from configs import ecar as ecar_configs   # pylint: disable=import-outside-toplevel
   from configs import mar as mar_configs   # pylint: disable=import-outside-toplevel
-  from train import models as train_models   # pylint: disable=import-outside-toplevel
-  from var_models.mar.policy import MARPolicy   # pylint: disable=import-outside-toplevel
-  from var_models.mar.sampler import make_mar_sampler   # pylint: disable=import-outside-toplevel
-  batches, presets = [int(b) for b in args.batches.split(',')], ('baseline',) + tuple(args.mar_presets.split(','))
-  makers, futures = {}, []
+  out = []
+  for sizes, module, method, presets, label in (
+      (args.mar_sizes, mar_configs, 'lazymar', args.mar_presets, 'MAR-{}'),
+      (args.ecar_sizes, ecar_configs, 'ecarcache', args.ecar_presets, 'E-CAR-{}')):
+    for size in filter(None, sizes.split(',')):
+      config = module.get_config(size)
+      config.dtype, config.attn_backend = args.family_dtype, args.attn
+      out.append((label.format(size), config, tuple(f'{method}:{p}' for p in presets.split(','))))
+  return out
+
+
+def family_main(args) -> None:
+  """--mar_sizes / --ecar_sizes: LazyMAR against our MAR baseline (64 iterations, 100 diffusion steps,
+  cfg 3.0 on the linear schedule, the KL-16 decoder included) and E-CAR's condition cache against the
+  E-CAR baseline (250 Euler steps, cfg 1.5, the VAE decoder included), random weights (official init),
+  per model and batch the baseline and each preset: compiled in a pool, then timed alone as the VAR
+  rows (medians of --iters calls after --warmup)."""
+  from accel.families import family_from_config   # pylint: disable=import-outside-toplevel
+  batches = [int(b) for b in args.batches.split(',')]
+  makers, futures, order = {}, [], []
   with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
-    for size in args.mar_sizes.split(','):
-      config = mar_configs.get_config(size)
-      config.dtype = 'bfloat16'
-      mar_cfg, vae_cfg = train_models.mar_configs(config)
-      params = train_models.init_mar_params(mar_cfg, vae_cfg, jax.random.key(0))
-      for batch, name in itertools.product(batches, presets):
-        policy = MARPolicy() if name == 'baseline' else LazyMAR.preset(name)
-        sample = make_mar_sampler(mar_cfg, vae_cfg, num_iter=64, num_diffusion_steps=100, policy=policy)
-        labels = np.arange(batch, dtype=np.int32) % mar_cfg.class_num
-        lab, cfg, temp = jnp.asarray(labels), jnp.float32(3.0), jnp.float32(1.0)
-        makers[size, batch, name] = lambda i, p=params, lab=lab, cfg=cfg, temp=temp: (p, jax.random.key(i), lab, cfg, temp)
-        futures.append(compile_in(pool, (size, batch, name), sample.lower(params, jax.random.key(0), labels, cfg=3.0)))
+    for label, config, specs in family_configs(args):
+      overrides = dict(cfg=3.0, num_iter=64, num_steps=100) if config.family == 'mar' else dict(cfg=1.5, num_steps=250)
+      family = family_from_config(config, overrides=overrides)
+      for batch, spec in itertools.product(batches, ('baseline',) + specs):
+        sample = family.make(policy_from_spec(spec, family.name))
+        labels = np.arange(batch, dtype=np.int32) % family.num_classes
+        call = lambda i, labels=labels, family=family: family.call(jax.random.key(i), labels)
+        makers[label, batch, spec] = lambda i, sample=sample, call=call: sample.arguments(*call(i)[0], **call(i)[1])
+        futures.append(compile_in(pool, (label, batch, spec), sample.lower(*call(0)[0], **call(0)[1])))
+        order.append((label, batch, spec))
     compiled = dict(f.result() for f in futures)
   wait_for(args.wait_for)
-  print('\n| model | batch | policy | s / batch | speed-up | peak MiB | compile s |\n' + '| --- ' * 7 + '|', flush=True)
-  rows = []
-  for size, batch in itertools.product(args.mar_sizes.split(','), batches):
-    base_ms = None
-    for name in presets:
-      prog, compile_s = compiled[size, batch, name]
-      ms = time_calls(prog, makers[size, batch, name], args.warmup, args.iters)
-      base_ms = base_ms or ms
-      rows.append(dict(model=f'mar_{size}', batch=batch, policy=name, ms=ms, speedup=base_ms / ms,
-                       peak_mib=(peak_bytes(prog) or 0) / 2 ** 20, compile_s=compile_s))
-      print(f"| MAR-{size} | {batch} | {name} | {ms / 1e3:.3f} | {base_ms / ms:.2f}x | {rows[-1]['peak_mib']:.0f} | "
-            f'{compile_s:.1f} |', flush=True)
+  print('\n| model | batch | policy | ms / batch | speed-up | peak MiB | compile s |\n' + '| --- ' * 7 + '|', flush=True)
+  rows, base_ms = [], {}
+  for label, batch, spec in order:
+    prog, compile_s = compiled[label, batch, spec]
+    ms = time_calls(prog, makers[label, batch, spec], args.warmup, args.iters)
+    base = base_ms.setdefault((label, batch), ms)
+    rows.append(dict(model=label, batch=batch, policy=spec, ms=ms, speedup=base / ms,
+                     peak_mib=(peak_bytes(prog) or 0) / 2 ** 20, compile_s=compile_s))
+    print(f"| {label} | {batch} | {spec} | {ms:.1f} | {base / ms:.2f}x | {rows[-1]['peak_mib']:.0f} | {compile_s:.1f} |",
+          flush=True)
+    if args.profile and batch == batches[0]:
+      print_top_device_ops(lambda: jax.block_until_ready(prog(*makers[label, batch, spec](7))),
+                           os.path.join(args.profile, f"{label}_b{batch}_{spec.replace(':', '_')}"))
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(rows, f, indent=1)
@@ -298,10 +306,14 @@ def main():
   ap.add_argument('--flops', action='store_true', help='count FLOPs per image instead of timing (no GPU needed)')
   ap.add_argument('--mar_sizes', default='', help='MAR sizes (base, large, huge): time LazyMAR instead of VAR')
   ap.add_argument('--mar_presets', default=','.join(MAR_PRESETS), help='LazyMAR presets beside the MAR baseline')
+  ap.add_argument('--ecar_sizes', default='', help="E-CAR sizes (S, B, L): time E-CAR's condition cache "
+                  'instead of VAR')
+  ap.add_argument('--ecar_presets', default=','.join(ECAR_PRESETS), help='ECARConditionCache presets')
+  ap.add_argument('--family_dtype', default='bfloat16', help='compute dtype of the MAR and E-CAR models')
   args = ap.parse_args()
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
-  if args.mar_sizes:
-    mar_main(args)
+  if args.mar_sizes or args.ecar_sizes:
+    family_main(args)
     return
   if args.flops:
     flop_table(args)
