@@ -10,7 +10,8 @@ layers than the AR". What it leaves to us: the patch size, the denoisers' width 
 
 The FLOP convention, calibrated on MAR (var_models.mar.flops counts the official MAR sampling:
 64 iterations, 100 head steps, CFG): 2 FLOPs per multiply-add, VAE decoder excluded, gives
-MAR-B / L / H 14.7T / 33.1T / 65.2T against Table 2's 18T / 34T / 60T (-19 %, -3 %, +9 %); one
+MAR-B / L / H 14.7T / 33.1T / 65.2T against Table 2's 18T / 34T / 60T (-19 %, -3 %, +9 %; no
+weighting of MAR's parts puts all three within 10 %: tests/test_mar_flops.py); one
 FLOP per multiply-add would give half, 41-59 % below every row. (Table 2's DiT-XL/2 row, 60T,
 is DiT's own 118.6 GFLOPs, multiply-adds, x 250 steps x 2: copied, not counted the same way.)
 `ecar.sampling_flops` counts E-CAR in that convention.
