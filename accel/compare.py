@@ -2,7 +2,7 @@
 
   python -m accel.compare --config configs/var.py:small256 --ckpt runs/small256 \
       --policy fastvar:var256 --seeds 0-63 [--lpips ckpt/lpips] [--out compare/small256]
-  python -m accel.compare --config configs/mar.py:small64 --ckpt runs/mar_small64 --policy lazymar:official
+  python -m accel.compare --config configs/mar.py:huge --ckpt ckpt/mar_h --policy lazymar:official
   python -m accel.compare --config configs/ecar.py:tiny --ckpt runs/demo --policy ecarcache:every_2
 
 Any VAR, MAR or E-CAR checkpoint `python -m train.sample` loads (converted weights or a training
@@ -95,12 +95,12 @@ def run_sampler(family: Family, policy, seeds: list[int], labels: np.ndarray, ba
   t0 = time.perf_counter()
   compiled = sample.lower(*calls[0][0], **calls[0][1]).compile()
   compile_s = time.perf_counter() - t0
-  run = lambda call: jax.block_until_ready(compiled(*sample.arguments(*call[0], **call[1])))
-  run(calls[0])
+  args = [sample.arguments(*a, **kw) for a, kw in calls]   # checked here, outside the timed calls
+  jax.block_until_ready(compiled(*args[0]))
   images, indices, times = [], [], []
-  for g, call in zip(groups, calls):
+  for g, call_args in zip(groups, args):
     t0 = time.perf_counter()
-    out, aux = run(call)
+    out, aux = jax.block_until_ready(compiled(*call_args))
     times.append(time.perf_counter() - t0)
     n = len(seeds[g])
     images.append(np.asarray(out, np.float32)[:n])

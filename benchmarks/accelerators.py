@@ -266,9 +266,12 @@ def family_main(args) -> None:
       for batch, spec in itertools.product(batches, ('baseline',) + specs):
         sample = family.make(policy_from_spec(spec, family.name))
         labels = np.arange(batch, dtype=np.int32) % family.num_classes
-        call = lambda i, labels=labels, family=family: family.call(jax.random.key(i), labels)
-        makers[label, batch, spec] = lambda i, sample=sample, call=call: sample.arguments(*call(i)[0], **call(i)[1])
-        futures.append(compile_in(pool, (label, batch, spec), sample.lower(*call(0)[0], **call(0)[1])))
+        def arguments(i, sample=sample, labels=labels, family=family):
+          args, kwargs = family.call(jax.random.key(i), labels)
+          return sample.arguments(*args, **kwargs)
+        makers[label, batch, spec] = arguments
+        first, first_kw = family.call(jax.random.key(0), labels)
+        futures.append(compile_in(pool, (label, batch, spec), sample.lower(*first, **first_kw)))
         order.append((label, batch, spec))
     compiled = dict(f.result() for f in futures)
   wait_for(args.wait_for)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +29,7 @@ from accel.compare import parse_seeds
 from accel.families import family_from_config
 from ecar.policy import StagePolicy
 from ecar.sampler import steps_per_stage
+from timing import call_times
 
 
 def _per_token(v: jax.Array, patch: int) -> jax.Array:
@@ -108,13 +108,8 @@ def cost_report(args) -> None:
     for steps in cuts:
       sample = ecar.make_sampler(cfg, num_steps=steps)
       compiled = sample.lower(params['ecar'], params['vae'], jax.random.key(0), labels, cfg_scale=1.5).compile()
-      times = []
-      for i in range(args.warmup + args.iters):
-        call = sample.arguments(params['ecar'], params['vae'], jax.random.key(i), labels, cfg_scale=1.5)
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*call))
-        if i >= args.warmup:
-          times.append(time.perf_counter() - t0)
+      times = call_times(compiled, lambda i, sample=sample: sample.arguments(
+          params['ecar'], params['vae'], jax.random.key(i), labels, cfg_scale=1.5), args.warmup, args.iters)
       ms.append(statistics.median(times) * 1e3)
     for s in range(cfg.num_stages):
       step = (ms[0] - ms[s + 1]) / (full[s] - 1)

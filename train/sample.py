@@ -23,14 +23,11 @@ from tqdm import tqdm
 
 import jax
 
-import ecar
+from accel.families import family_from_config
+from accel.specs import policy_from_spec
 from train import grid as grid_lib
 from var_models import checkpoint
-from var_models.mar.from_config import init_mar_params, load_mar_params, mar_configs
-from var_models.mar.sampler import check_mar_sample_args, make_mar_sampler
 from var_models.nn.checks import check_labels
-from var_models.var.from_config import init_var_params, load_var_params, var_configs
-from var_models.var.sampler import check_sample_args, make_sampler
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/{var,mar,ecar}.py:VARIANT', lock_config=True)
 _CKPT = flags.DEFINE_string('ckpt', None, 'checkpoint directory (from `python -m var_models.convert`) or '
@@ -75,6 +72,13 @@ def _check_family_flags(family: str) -> None:
         raise ValueError(f'--{f.name} applies to {_FAMILY_NAMES[other]} configs, not to config.family={family!r}')
 
 
+def _overrides(family: str) -> dict:
+  """The sampling flags given, as `accel.families` overrides of the config's `sample` settings."""
+  steps = _STEPS if family == 'mar' else _EULER
+  return dict(cfg=_CFG.value, top_k=_TOP_K.value, top_p=_TOP_P.value, num_iter=_NUM_ITER.value,
+              temperature=_TEMP.value, cfg_schedule=_SCHEDULE.value, num_steps=steps.value)
+
+
 def _check_checkpoint_family(family: str) -> None:
   """A checkpoint whose meta.json names another family is an error before anything loads."""
   stored = checkpoint.load_meta(_CKPT.value).get('family', family)
@@ -83,53 +87,11 @@ def _check_checkpoint_family(family: str) -> None:
                      f'not config.family={family!r}')
 
 
-def _var_sampler(config, key, batch):
-  """(sample(params, key, labels) -> images, params) for a VAR config."""
-  var_cfg, vq_cfg = var_configs(config)
-  s = config.sample
-  opts = dict(cfg=_pick(_CFG, s.cfg), top_k=_pick(_TOP_K, s.top_k), top_p=_pick(_TOP_P, s.top_p))
-  check_sample_args(var_cfg, np.zeros(1, np.int32), **opts)
-  params = (load_var_params(var_cfg, vq_cfg, _CKPT.value) if _CKPT.value
-            else init_var_params(var_cfg, vq_cfg, key))
-  sampler = make_sampler(var_cfg, vq_cfg)
-  return (lambda p, k, labels: sampler(p, k, labels, **opts)[0]), params
-
-
-def _mar_sampler(config, key, batch):
-  """(sample(params, key, labels) -> images, params) for a MAR config."""
-  mar_cfg, vae_cfg = mar_configs(config)
-  s = config.sample
-  cfg = _pick(_CFG, s.cfg)
-  opts = dict(cfg=cfg, cfg_schedule=_pick(_SCHEDULE, s.cfg_schedule), temperature=_pick(_TEMP, s.temperature))
-  check_mar_sample_args(mar_cfg, np.zeros(1, np.int32), guidance=cfg, guided=cfg != 1.0,
-                        cfg_schedule=opts['cfg_schedule'], temperature=opts['temperature'])
-  sampler = make_mar_sampler(mar_cfg, vae_cfg, num_iter=_pick(_NUM_ITER, s.num_iter), guided=cfg != 1.0,
-                             num_diffusion_steps=_pick(_STEPS, s.num_diffusion_steps))
-  params = (load_mar_params(mar_cfg, vae_cfg, _CKPT.value) if _CKPT.value
-            else init_mar_params(mar_cfg, vae_cfg, key))
-  return (lambda p, k, labels: sampler(p, k, labels, **opts)[0]), params
-
-
-def _ecar_sampler(config, key, batch):
-  """(sample(params, key, labels) -> images, params) for an E-CAR config."""
-  cfg = ecar.ecar_config(config)
-  s = config.sample
-  cfg_scale = _pick(_CFG, s.cfg_scale)
-  if not np.isfinite(cfg_scale):
-    raise ValueError(f'--cfg must be finite, got {cfg_scale}')
-  sampler = ecar.make_sampler(cfg, num_steps=_pick(_EULER, s.num_steps))
-  params = ecar.ecar_params(cfg, _CKPT.value, config.vae_ckpt, key)
-  return (lambda p, k, labels: sampler(p['ecar'], p['vae'], k, labels, cfg_scale=cfg_scale)[0]), params
-
-
-_BUILDERS = {'var': _var_sampler, 'mar': _mar_sampler, 'ecar': _ecar_sampler}
-
-
 def main(argv):
   del argv
   config = _CONFIG.value
-  if config.family not in _BUILDERS:
-    raise ValueError(f'config.family must be one of {sorted(_BUILDERS)}, got {config.family!r}')
+  if config.family not in _FAMILY_FLAGS:
+    raise ValueError(f'config.family must be one of {sorted(_FAMILY_FLAGS)}, got {config.family!r}')
   _check_family_flags(config.family)
   if _CKPT.value:
     _check_checkpoint_family(config.family)
@@ -141,12 +103,13 @@ def main(argv):
   check_labels(labels, num_classes)
   key = jax.random.key(_pick(_SEED, config.sample.seed))
   pkey, key = jax.random.split(key)
-  sample, params = _BUILDERS[config.family](config, pkey, batch)
+  family = family_from_config(config, _CKPT.value, _overrides(config.family), pkey)
+  sample = family.make(policy_from_spec('baseline', family.name))
   images = []
   chunks = [labels[i:i + batch] for i in range(0, len(labels), batch)]
   for i, chunk in enumerate(tqdm(chunks, desc='sampling', unit='batch')):
-    padded = np.resize(chunk, batch)  # one compiled shape for every chunk
-    images.append(np.asarray(sample(params, jax.random.fold_in(key, i), padded))[:len(chunk)])
+    args, kwargs = family.call(jax.random.fold_in(key, i), np.resize(chunk, batch))  # one shape for every chunk
+    images.append(np.asarray(sample(*args, **kwargs)[0])[:len(chunk)])
   path = grid_lib.save_grid(np.concatenate(images), _OUT.value)
   print(f'wrote {len(labels)} samples to {path}')
 
