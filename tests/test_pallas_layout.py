@@ -81,6 +81,36 @@ def test_csla_block_wise_layout_computes_whole_tiles_covering_the_token_mask():
   assert 0 < layout_density(blocks) < 1
 
 
+INFINITY_1024 = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
+
+
+def _flex_sparsity(layout):
+  """SparVAR's figure: FlexAttention's BlockMask.sparsity(), whole tiles over Lq * Lk tokens."""
+  tiles = layout.kv_count.sum() * layout.block_q * layout.block_k
+  return 100 * (1 - tiles / (layout.lq * layout.lk))
+
+
+def test_csla_block_sparsity_at_the_papers_last_scale():
+  text = csla_layout(INFINITY_1024)
+  fit = csla_layout(INFINITY_1024, point_windows=2)
+  assert (text.lq, text.lk, text.num_q_blocks, text.num_k_blocks) == (4096, 10521, 32, 83)
+  assert (text.kv_count.sum(), fit.kv_count.sum()) == (355, 435)
+  assert layout_density(text) == 355 / 2656 and layout_density(fit) == 435 / 2656
+  assert (round(_flex_sparsity(text), 2), round(_flex_sparsity(fit), 2)) == (86.50, 83.46)
+  assert (fit.dense() >= text.dense()).all()
+
+
+@pytest.mark.parametrize('sink_scales, windows, table4', [
+    (5, (1, 3, 5), 86.24), (5, (3, 3, 3), 86.77), (5, (3, 5, 7), 83.46), (5, (5, 5, 5), 83.77),
+    (5, (5, 7, 9), 80.72), (5, (7, 7, 7), 81.18), (5, (7, 9, 11), 78.06), (6, (3, 5, 7), 81.03),
+    (7, (3, 5, 7), 78.60), (8, (3, 5, 7), 75.21), (0, (3, 5, 7), 84.68)])
+def test_csla_point_windows_reproduce_sparvar_table4(sink_scales, windows, table4):
+  # The token layout has the block-wise one's tiles (test above) and builds faster.
+  layout = csla_layout(INFINITY_1024, sink_scales=sink_scales, windows=windows,
+                       point_windows=2, block_wise=False)
+  assert round(_flex_sparsity(layout), 2) == table4
+
+
 def test_density_of_dense_empty_and_scale_causal_layouts():
   assert layout_density(dense_layout(100, 70, 32, 32)) == 1.0
   assert layout_density(layout_from_mask(np.zeros((30, 20), bool), 16, 16)) == 0.0
@@ -94,6 +124,8 @@ def test_density_of_dense_empty_and_scale_causal_layouts():
     (lambda: layout_from_mask(np.ones(5, bool)), 'mask must be'),
     (lambda: csla_layout((1, 2, 4), sink_scales=4), 'sink_scales'),
     (lambda: csla_layout((1, 2, 4), sink_scales=1, windows=(3, 5, 7, 9)), 'windows'),
+    (lambda: csla_layout((1, 2, 4), sink_scales=1, point_windows=-1), 'point_windows'),
+    (lambda: csla_layout((1, 2, 4), sink_scales=1, point_windows=1), 'windows'),
     (lambda: scale_causal_layout((1, 0, 2)), 'patch_nums'),
 ])
 def test_bad_layout_arguments_raise_clear_errors(call, match):
