@@ -15,11 +15,16 @@
 (c) Top-k gather/scatter on FastVAR's Infinity-2B shapes (width 2048, the 32x32
     and 40x40 scales) against lax.top_k + take_along_axis + scatter in XLA,
     with bandwidth against the measured device copy bandwidth.
+(d) Gathered-key attention (SparVAR's CS4A) on the last scale: each group of 192
+    queries attends to its own n keys (top 20 % of the decision scale's keys plus
+    the sinks; here random distinct positions, sorted), at Infinity-2B 1024 px
+    and VAR-d30 256 px, against cuDNN dense attention on the same q, k, v, with
+    the achieved fraction of the floor of the gathered work.
 
 Every kernel is first checked against a float32 XLA computation on the same
 bf16 inputs (relative L2 error). Times: medians over repetitions of many
 back-to-back calls (inputs rotated beyond L2) after warm-up; compile apart.
-Usage (GPU): PYTHONPATH=. python3 benchmarks/kernels.py [--only a,b,c]
+Usage (GPU): PYTHONPATH=. python3 benchmarks/kernels.py [--only a,b,c,d]
 CPU smoke run of the script itself (tiny shapes, interpret mode): --smoke
 """
 from __future__ import annotations
@@ -364,9 +369,77 @@ def bench_gather(args, ceil):
          'fraction of copy', 'exact'], rows)
 
 
+# -------------------------------------------------------------------------- (d)
+def _cs4a_idx(key, b, h, g, lk, n):
+  """[B, H, G, n] distinct key positions per (b, h, group), ascending (as a caller passes them)."""
+  picks = jnp.argsort(jax.random.uniform(key, (b, h, g, lk)), axis=-1)[..., :n]
+  return jnp.sort(picks, axis=-1).astype(jnp.int32)
+
+
+def _gathered_variants(group, impl, dense, tilings):
+  """name -> fn(q, k, v, idx): dense attention (idx unused), then our kernel per tiling."""
+  variants = {f'{dense} dense (no mask)': lambda q, k, v, idx: jax.nn.dot_product_attention(
+      q, k, v, implementation=dense)}
+  for bk, w, st in tilings:
+    variants[f'pallas bk{bk} w{w} s{st}'] = (
+        lambda q, k, v, idx, bk=bk, w=w, st=st: pk.gathered_attention(
+            q, k, v, idx, group=group, impl=impl, block_k=bk, num_warps=w, num_stages=st))
+  return variants
+
+
+def bench_gathered(args, ceil):
+  smoke = args.smoke
+  # (name, scales, B, H, D, group, n): n = the decision scale's top 20 % plus the sinks
+  # (scales <= 5): 1024 px, 40x40: 0.2 x 4121 = 824 + 121; 256 px, 10x10: 0.2 x 255 = 51 + 55.
+  configs = ([('tiny', (1, 2, 4, 6, 8), 2, 2, 16, 32, 20)] if smoke else
+             [('Infinity-2B 1024px', INFINITY_1024, 2, 16, 128, 192, 945),
+              ('VAR-d30 256px', VAR_256, 2, 30, 64, 192, 106)])
+  # (block_k, num_warps, num_stages); the first is the default.
+  tilings = [(16, 4, 2)] if smoke else [(64, 4, 2), (32, 4, 2), (64, 8, 2), (64, 4, 3), (128, 8, 2)]
+  dense = 'xla' if smoke else 'cudnn'
+  for name, pns, b, h, d, group, n in configs:
+    lq, lk = pns[-1] ** 2, sum(p * p for p in pns)
+    g = -(-lq // group)
+    set_bytes = 2 * (b * lq * h * d + 2 * b * lk * h * d)
+    n_sets = 8 if smoke else max(2, int(np.ceil(200e6 / set_bytes)))  # rotate beyond L2
+    per_dispatch = 8 if set_bytes < 32e6 else 1
+    n_sets = -(-n_sets // per_dispatch) * per_dispatch
+    sets = [qkv + (_cs4a_idx(jax.random.key(20 + i), b, h, g, lk, n),)
+            for i, qkv in enumerate(_qkv_sets(b, lq, lk, h, d, n_sets, seed=2))]
+    variants = _gathered_variants(group, 'interpret' if smoke else 'triton', dense, tilings)
+
+    q, k, v, idx = sets[0]
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    wants = {'pallas': reference.gathered_attention(*f32, idx, group, 1 / np.sqrt(d), lk)[0],
+             dense: _xla_f32(q, k, v, None)}
+    errs, res = {}, {}
+    for vname, f in variants.items():
+      try:
+        errs[vname] = rel_err(f(q, k, v, idx), wants[vname.split()[0]])
+        res[vname] = timeit_grouped(f, sets, per_dispatch, 2 if smoke else 50)
+      except Exception as e:  # e.g. a tiling out of shared memory
+        print(f'{vname} failed: {type(e).__name__}: {str(e)[:300]}')
+    del wants, f32
+
+    flops = 4 * b * h * lq * n * d
+    # q read and out written once; each query group's n K and V rows read once; idx.
+    nbytes = 2 * (2 * b * lq * h * d + b * h * g * 2 * n * d) + 4 * b * h * g * n
+    f_ms, b_ms = floor_ms(flops, nbytes, ceil)
+    base = res.get(f'{dense} dense (no mask)', (0, float('nan')))[1]
+    rows = [(vname, ms, base / ms, max(f_ms, b_ms) / ms if vname.startswith('pallas') else '',
+             errs[vname], cs) for vname, (cs, ms) in res.items()]
+    print(f'\n(d) {name}: q {lq} (last scale), kv {lk}, batch {b}, {h} heads, head dim {d}, '
+          f'bf16; group {group} ({g} groups), n {n} keys per group (density {n / lk:.4f}); '
+          f'floor {f_ms:.4f} ms of matmul ({flops:.3g} FLOPs), {b_ms:.4f} ms of bytes '
+          f'({nbytes / 1e6:.1f} MB); {per_dispatch} kernels per dispatch')
+    table(f'(d) gathered-key attention (CS4A), {name}',
+          ['variant', 'median ms', f'speedup vs {dense} dense', 'fraction of floor', 'rel err',
+           'compile s'], rows)
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--only', default='a,b,c')
+  p.add_argument('--only', default='a,b,c,d')
   p.add_argument('--smoke', action='store_true', help='tiny shapes, interpret mode (CPU)')
   p.add_argument('--bwd_configs', default='',
                  help="extra backward variants for (b), e.g. '32x64w4,64x128w8'")
@@ -375,7 +448,7 @@ def main():
   ceil = ceilings(args.smoke)
   print(f'measured ceilings: copy {ceil["copy_gbs"]:.0f} GB/s (read + write), '
         f'bf16 matmul {ceil["tflops"]:.0f} TFLOP/s')
-  parts = dict(a=bench_csla, b=bench_training, c=bench_gather)
+  parts = dict(a=bench_csla, b=bench_training, c=bench_gather, d=bench_gathered)
   for part in args.only.split(','):
     try:
       parts[part](args, ceil)

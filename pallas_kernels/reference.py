@@ -17,14 +17,46 @@ def masked_attention(q, k, v, mask, scale: float):
   """
   dt = jnp.promote_types(q.dtype, jnp.float32)
   s = jnp.einsum('bqhd,bkhd->bhqk', q.astype(dt), k.astype(dt)) * scale
-  mask = jnp.asarray(mask)[None]
+  p, lse = _masked_softmax(s, jnp.asarray(mask)[None])
+  o = jnp.einsum('bhqk,bkhd->bqhd', p, v.astype(dt))
+  return o.astype(q.dtype), lse
+
+
+def gathered_attention(q, k, v, idx, group: int, scale: float, kv_len: int):
+  """Each query group attends to its own list of keys (SparVAR's CS4A top-k gathering).
+
+  q [B, Lq, H, D], k and v [B, Lk, H, D] (rows from kv_len on unused), idx [B, H, G, n]
+  int with G = ceil(Lq / group): queries [g * group, (g + 1) * group) attend to the keys
+  idx[b, h, g]; entries outside [0, kv_len) are padding, and a key listed twice counts
+  twice (a softmax over the n gathered columns, as the kernel computes it)
+  -> (out [B, Lq, H, D] in q's dtype, lse [B, H, Lq]; -inf on empty rows).
+  """
+  b, lq, h, d = q.shape
+  g, n = idx.shape[2:]
+  dt = jnp.promote_types(q.dtype, jnp.float32)
+  valid = (idx >= 0) & (idx < kv_len)                                  # [B, H, G, n]
+  rows = jnp.where(valid, idx, 0).reshape(b, h, g * n, 1)
+
+  def gather(x):  # [B, Lk, H, D] -> the listed rows [B, H, G, n, D]
+    x = x[:, :kv_len].transpose(0, 2, 1, 3)
+    return jnp.take_along_axis(x, rows, axis=2).reshape(b, h, g, n, d).astype(dt)
+
+  qg = jnp.pad(q.astype(dt), ((0, 0), (0, g * group - lq), (0, 0), (0, 0)))
+  s = jnp.einsum('bgqhd,bhgnd->bhgqn', qg.reshape(b, g, group, h, d), gather(k)) * scale
+  p, lse = _masked_softmax(s, valid[:, :, :, None])
+  o = jnp.einsum('bhgqn,bhgnd->bgqhd', p, gather(v)).reshape(b, g * group, h, d)
+  return o[:, :lq].astype(q.dtype), lse.reshape(b, h, g * group)[..., :lq]
+
+
+def _masked_softmax(s, mask):
+  """Softmax of the logits s over the last axis where `mask` holds -> (p, lse);
+  a row with nothing unmasked gives p = 0 and lse = -inf."""
   m = jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1, keepdims=True)
   m_safe = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0))
   p = jnp.where(mask, jnp.exp(s - m_safe), 0)
   l = p.sum(-1, keepdims=True)
-  o = jnp.einsum('bhqk,bkhd->bqhd', p / jnp.where(l > 0, l, 1), v.astype(dt))
   lse = jnp.where(l > 0, m_safe + jnp.log(jnp.where(l > 0, l, 1)), -jnp.inf)[..., 0]
-  return o.astype(q.dtype), lse
+  return p / jnp.where(l > 0, l, 1), lse
 
 
 def gather_rows(x, idx):
