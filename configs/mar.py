@@ -1,7 +1,9 @@
-"""MAR configs: `--config configs/mar.py:VARIANT` with VARIANT in base, large, huge, tiny.
+"""MAR configs: `--config configs/mar.py:VARIANT` with VARIANT in base, large, huge, small, tiny.
 
 base/large/huge are the released MAR-B/L/H with the KL-16 VAE (kl16.ckpt) at
-256 px; `tiny` runs on a CPU in seconds (32 px, 16 tokens, random weights). `train` and
+256 px; `tiny` runs on a CPU in seconds (32 px, 16 tokens, random weights); `small` (64 px, 64
+tokens, a 16-token buffer, 4 + 6 blocks and a 6-block head: deep enough for every LazyMAR cache)
+trains on the built-in data in minutes and is what LazyMAR's fidelity is measured on. `train` and
 `data` are the paper's training settings (main_mar.py): AdamW (0.9, 0.95), weight
 decay 0.02 (not on biases and norms), lr = 1e-4 x batch / 256 with batch 2048,
 100 warm-up epochs from 0, then constant, 400 epochs, clip 3.0, EMA 0.9999,
@@ -12,7 +14,7 @@ import ml_collections
 
 from configs import common
 
-VARIANTS = ('base', 'large', 'huge', 'tiny')
+VARIANTS = ('base', 'large', 'huge', 'small', 'tiny')
 # width, depth, heads (encoder = decoder), DiffLoss depth and width, evaluation cfg.
 _SIZES = {'base': (768, 12, 12, 6, 1024, 2.9), 'large': (1024, 16, 16, 8, 1280, 3.0),
           'huge': (1280, 20, 16, 12, 1536, 3.2)}
@@ -63,7 +65,19 @@ def _tiny() -> ml_collections.ConfigDict:
   return c
 
 
+def _small() -> ml_collections.ConfigDict:
+  c = _tiny()
+  c.variant = 'small'
+  c.model.update(img_size=64, encoder_embed_dim=128, encoder_depth=4, encoder_num_heads=4,
+                 decoder_embed_dim=128, decoder_depth=6, decoder_num_heads=4, buffer_size=16,
+                 diffloss_d=6, diffloss_w=128, num_sampling_steps='100')
+  c.sample.update(num_iter=64, num_diffusion_steps=100)
+  c.train.update(steps=3000, batch_size=64, lr=5e-4, warmup_steps=100, ema_decay=0.999, log_every=50,
+                 ckpt_every=500, sample_every=1000)
+  return c
+
+
 def get_config(arg: str = 'base') -> ml_collections.ConfigDict:
   if arg not in VARIANTS:
     raise ValueError(f'unknown MAR variant {arg!r}; known: {VARIANTS}')
-  return _tiny() if arg == 'tiny' else _released(arg)
+  return {'tiny': _tiny, 'small': _small}.get(arg, lambda: _released(arg))()
