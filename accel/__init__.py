@@ -1,6 +1,6 @@
 """accel: the training-free accelerators of next-scale samplers, as sampling policies.
 
-    from accel import FastVAR, LazyVAR
+    from accel import FastVAR, LazyVAR, SparVAR
     sample = make_sampler(var_cfg, vq_cfg, policy=FastVAR.preset('infinity_2b'))
 
 Each method is a `var_models.var.ScalePolicy` whose static settings are a frozen dataclass,
@@ -16,4 +16,5 @@ from accel.ecar_caches import ECARConditionCache
 from accel.fastvar import FastVAR, FastVARHooks, keep_count, pivotal_tokens, restore_tokens
 from accel.lazymar import LazyMAR
 from accel.lazyvar import LazyVAR
+from accel.sparvar import SparVAR
 from accel.specs import METHODS, policy_from_spec

@@ -11,12 +11,14 @@ from accel.ecar_caches import ECARConditionCache
 from accel.fastvar import FastVAR
 from accel.lazymar import LazyMAR
 from accel.lazyvar import LazyVAR
+from accel.sparvar import SparVAR
 from ecar.policy import StagePolicy
 from var_models.mar.policy import MARPolicy
 from var_models.var.policy import ScalePolicy
 
 # method -> (the sampler family it accelerates, its class)
-METHODS = {'fastvar': ('var', FastVAR), 'lazyvar': ('var', LazyVAR), 'lazymar': ('mar', LazyMAR),
+METHODS = {'fastvar': ('var', FastVAR), 'lazyvar': ('var', LazyVAR), 'sparvar': ('var', SparVAR),
+           'lazymar': ('mar', LazyMAR),
            'ecarcache': ('ecar', ECARConditionCache)}
 BASELINES = {'var': ScalePolicy, 'mar': MARPolicy, 'ecar': StagePolicy}
 

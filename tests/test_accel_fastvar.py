@@ -65,7 +65,7 @@ def _sublayers(block, variables, mod):
   g1, g2, s1, s2, b1, b2 = [m[:, None] for m in jnp.moveaxis(mod, 1, 0)]
 
   def attn(h, kv):
-    out, kv = block.apply(variables, h, kv, method=lambda m, h, kv: m.attn(modulate(m.ln(h), s1, b1), kv=kv))
+    out, kv, _ = block.apply(variables, h, kv, method=lambda m, h, kv: m.attn(modulate(m.ln(h), s1, b1), kv=kv))
     return out * g1, kv
 
   def ffn(h):

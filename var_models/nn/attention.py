@@ -6,12 +6,20 @@ Masks are descriptions, not dense arrays, so a backend can exploit structure:
   None                  -- every query sees every key;
   ScaleCausal(lq, lk)   -- query i sees key j iff level(i) >= level(j): causal
                            across scales, bidirectional inside one;
-  TokenMask(mask)       -- an explicit boolean mask broadcastable to [B, H, Lq, Lk].
+  TokenMask(mask)       -- an explicit boolean mask broadcastable to [B, H, Lq, Lk];
+  BlockSparse(layout)   -- a static tile layout (pallas_kernels.BlockLayout, e.g.
+                           SparVAR's CSLA) over the first layout.lk keys;
+  GatheredKeys(idx, g)  -- query group i (queries [i g, (i + 1) g)) sees only the
+                           keys idx[b, h, i, :], a traced list (SparVAR's CS4A).
+The two sparse masks are the kernels' to compute whatever the backend (a dense
+backend would compute every tile and skip nothing): they go to pallas_kernels
+with impl 'auto', the Triton kernels on a GPU and their plain-jnp references
+elsewhere. Both read a KV cache's buffer in place, keys past kv_len unseen.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import flax.struct
 import jax
@@ -39,7 +47,28 @@ class TokenMask:
     return self.mask
 
 
-Mask = Optional[Union[ScaleCausal, TokenMask]]
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockSparse:
+  """A static pallas_kernels.BlockLayout: its queries see the keys of its tiles among the
+  first layout.lk."""
+  layout: Any
+
+  def dense(self) -> np.ndarray:
+    """[1, Hl, Lq, Lk] bool."""
+    return self.layout.dense()[None]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GatheredKeys:
+  """Query group i (queries [i * group, (i + 1) * group)) sees only the keys idx[b, h, i, :]:
+  idx [B, H, ceil(Lq / group), n] int (traced); entries outside [0, kv_len) are padding and a
+  key listed twice counts twice (callers deduplicate)."""
+  idx: jax.Array
+  group: int
+
+
+SPARSE = (BlockSparse, GatheredKeys)
+Mask = Optional[Union[ScaleCausal, TokenMask, BlockSparse, GatheredKeys]]
 Backend = Callable[..., jax.Array]
 
 
@@ -52,6 +81,9 @@ def _check(q, k, v, mask) -> None:
     if (len(mask.q_levels), len(mask.k_levels)) != (q.shape[1], k.shape[1]):
       raise ValueError(f'ScaleCausal levels ({len(mask.q_levels)}, {len(mask.k_levels)}) do not '
                        f'match Lq={q.shape[1]}, Lk={k.shape[1]}')
+  if isinstance(mask, BlockSparse) and (q.shape[1] != mask.layout.lq or k.shape[1] < mask.layout.lk):
+    raise ValueError(f'BlockSparse layout is for Lq={mask.layout.lq} over {mask.layout.lk} keys; got '
+                     f'Lq={q.shape[1]}, Lk={k.shape[1]}')
 
 
 def _cudnn_takes(q: jax.Array) -> bool:
@@ -75,6 +107,19 @@ def _dense_backend(implementation: Optional[str]) -> Backend:
         q, k, v, mask=dense, scale=scale, key_value_seq_lengths=lengths,
         implementation=implementation)
   return run
+
+
+def _sparse(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
+  """A BlockSparse or GatheredKeys mask through pallas_kernels (see the module docstring)."""
+  import pallas_kernels as pk
+  if isinstance(mask, GatheredKeys):
+    return pk.gathered_attention(q, k, v, mask.idx, group=mask.group, scale=scale, kv_len=kv_len)
+  layout = mask.layout
+  if kv_len is not None and kv_len != layout.lk:
+    raise ValueError(f'BlockSparse layout over {layout.lk} keys, but kv_len={kv_len}')
+  # The kernel reads at most the layout's key blocks of a longer buffer.
+  end = min(k.shape[1], layout.num_k_blocks * layout.block_k)
+  return pk.block_sparse_attention(q, k[:, :end], v[:, :end], layout, scale=scale)
 
 
 def _pallas_backend(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
@@ -143,12 +188,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: Mask = None,
   _check(q, k, v, mask)
   if kv_len is not None and not 0 < kv_len <= k.shape[1]:
     raise ValueError(f'kv_len must be in (0, {k.shape[1]}], got {kv_len}')
-  if mask is not None and kv_len is not None:
-    raise ValueError('attention takes a mask or a kv_len, not both: slice the keys instead')
+  if kv_len is not None and mask is not None and not isinstance(mask, SPARSE):
+    raise ValueError('attention takes a dense mask or a kv_len, not both: slice the keys instead')
   if scale is None:
     scale = 1.0 / float(np.sqrt(q.shape[-1]))
   if kv_len == k.shape[1]:
     kv_len = None
+  if isinstance(mask, SPARSE):
+    if dropout_rng is not None and dropout_rate > 0:
+      raise ValueError(f'{type(mask).__name__} attention has no dropout (sampling only)')
+    return _sparse(q, k, v, mask, scale, kv_len)
   if dropout_rng is not None and dropout_rate > 0:
     if kv_len is not None:
       k, v = k[:, :kv_len], v[:, :kv_len]
@@ -200,10 +249,10 @@ class KVCache:
 
   def attend(self, k: jax.Array, v: jax.Array, mask: 'Mask'):
     """Appends k, v and returns (keys, values, kv_len, new cache): what the new queries attend
-    to. Unmasked, the buffer is read in place with its valid length `kv_len`; a mask needs
-    the exact key set (kv_len None)."""
+    to. Unmasked or under a sparse mask, the buffer is read in place with its valid length
+    `kv_len`; a dense mask needs the exact key set (kv_len None)."""
     kv = self.append(k, v)
-    if mask is None:
+    if mask is None or isinstance(mask, SPARSE):
       return kv.k, kv.v, kv.length, kv
     return kv.keys(), kv.values(), None, kv
 

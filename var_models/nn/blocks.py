@@ -79,8 +79,9 @@ class SelfAttention(nn.Module):
     self.drop = nn.Dropout(self.dropout)
 
   def __call__(self, x: Array, *, mask: attn_lib.Mask = None, kv: Optional[attn_lib.KVCache] = None,
-               deterministic: bool = True):
-    """Returns (out [B, l, C], kv); with a cache, this call's k and v are appended first."""
+               hooks: Optional['BlockHooks'] = None, state: Any = None, deterministic: bool = True):
+    """Returns (out [B, l, C], kv, state); with a cache, this call's k and v are appended
+    first; with hooks, `hooks.attend` computes the attention (carrying `state`)."""
     b, l, c = x.shape
     h, d = self.num_heads, c // self.num_heads
     bias = jnp.concatenate([self.q_bias, jnp.zeros_like(self.q_bias), self.v_bias]).astype(self.dtype)
@@ -95,8 +96,12 @@ class SelfAttention(nn.Module):
     kv_len = None
     if kv is not None:
       k, v, kv_len, kv = kv.attend(k, v, mask)
-    out = attn_lib.attention(q, k, v, mask=mask, scale=scale, backend=self.backend, kv_len=kv_len)
-    return self.drop(self.proj(out.reshape(b, l, c)), deterministic=deterministic), kv
+    if hooks is None:
+      out = attn_lib.attention(q, k, v, mask=mask, scale=scale, backend=self.backend, kv_len=kv_len)
+    else:
+      out, state = hooks.attend(q, k, v, mask=mask, kv_len=kv_len, scale=scale, backend=self.backend,
+                                state=state)
+    return self.drop(self.proj(out.reshape(b, l, c)), deterministic=deterministic), kv, state
 
 
 class DenseGELU(nn.Module):
@@ -236,7 +241,8 @@ class AdaLNSelfAttn(nn.Module):
     g1, g2, s1, s2, b1, b2 = [m[:, None] for m in jnp.moveaxis(mod.astype(self.dtype), 1, 0)]
 
     def attn_branch(h, idx, state):
-      out, new_kv = self.attn(modulate(self.ln(h), s1, b1), mask=mask, kv=kv, deterministic=deterministic)
+      out, new_kv, state = self.attn(modulate(self.ln(h), s1, b1), mask=mask, kv=kv, hooks=hooks,
+                                     state=state, deterministic=deterministic)
       return out * g1, new_kv, state
 
     def ffn_branch(h, idx, state):
@@ -274,6 +280,13 @@ class BlockHooks:
     policy's cached K/V of every position with the fresh ones written at idx. The
     attention mask applies to what this returns."""
     return k, v, state
+
+  def attend(self, q: Array, k: Array, v: Array, *, mask: attn_lib.Mask, kv_len: Optional[int],
+             scale: float, backend: str, state: Any):
+    """The attention of the forwarded queries q [B, l, H, D] over k, v [B, Lk, H, D] (the first
+    kv_len valid; None: all) under `mask` -> (out [B, l, H, D], state): e.g. a sparse pattern
+    (SparVAR). Called by VAR's attention (`SelfAttention`)."""
+    return attn_lib.attention(q, k, v, mask=mask, scale=scale, backend=backend, kv_len=kv_len), state
 
   def restore(self, site: str, y: Array, idx: Optional[Array], x: Array, state: Any):
     """The branch output for all l tokens from y [B, k, C] of the forwarded ones."""

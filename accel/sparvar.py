@@ -1,0 +1,256 @@
+"""SparVAR (2025): sparse attention at the last scales of a next-scale sampler (CS4A and CSLA).
+
+    sample = make_sampler(var_cfg, vq_cfg, policy=accel.SparVAR.preset('infinity_2b'))
+
+There is no public code; the paper (its section 3 and appendix A.2) is the source, with
+Chipmunk's column-sum and tile packing for what it leaves implicit. Scales are named by their
+side. Every scale up to the decision scale S runs dense attention in every block; at each
+`sparse` scale K > S the first `cs4a_layers` of the blocks run CS4A, the others CSLA:
+
+  - CS4A at S: dense attention P = softmax(q k^T); per query group of C = `group` consecutive
+    queries the column sums of P over the group, and the top k of them, k = int(topk * N_<=S)
+    keys among the N_<=S keys up to S; the *selected* set is the sink (every token of the first
+    `sink_scales` scales) united with them, deduplicated (a top-k key inside the sink becomes a
+    padding entry: one static count, sink + k). The block caches its top-k indices and
+    O_cache = O_dense - attention renormalised over the selected set, per block and head.
+    (The paper's O_cache subtracts the top-k attention alone; with the sink in the set, as at
+    every later scale, O_cache + the sparse term equals the dense output exactly at S.)
+  - CS4A at K: query group g of K takes the indices of group round((g + 0.5) G_S / G_K - 0.5)
+    of S, clipped (appendix A.2's homography; rounding half to even, NumPy's and torch's);
+    each key j, of scale l at offset (u, v), moves to scale l' = l + (K - S) at
+    (floor(u h_l' / h_l), floor(v w_l' / w_l)) (appendix A.2; its "max{i | C_i <= j}" is off by
+    one as printed: the scale containing j and its start offset are meant); the sink is
+    added as at S. O = O_cache upsampled from S's grid to K's (`cache_upsample`: bilinear by
+    default, half-pixel centres; the paper does not say how) + attention over that set: one
+    gathered-key kernel (`pallas_kernels.gathered_attention`).
+  - CSLA at K: the static block layout `pallas_kernels.csla_layout` (sink scales, windows on
+    the last scales, `point_windows` side-1 windows below them: 2 reproduces Table 4's block
+    sparsities exactly), run by the block-sparse kernel.
+The paper's setting without skipping (Infinity, 13 scales): S = its scale 11 (40x40),
+the last two scales sparse, CS4A in 60 % of the layers from the shallowest, CSLA in the rest.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import pallas_kernels as pk
+from accel.presets import Presets
+from var_models.nn import attention as attn_lib
+from var_models.nn.blocks import BlockHooks
+from var_models.var.policy import ScalePolicy, Step
+from var_models.var.schedules import ScaleSchedule
+
+Array = jax.Array
+UPSAMPLING = ('linear', 'nearest')
+
+_INFINITY = dict(decision=40, sparse=(48, 64))
+# name -> (settings, where they come from)
+PRESETS = {
+    'infinity_2b': (_INFINITY, "the paper without skipping (Infinity, 13 scales): decision scale 11 "
+                               "(40x40), the last two scales sparse, CS4A : CSLA = 6 : 4 from the "
+                               "shallowest layer, top-k 0.2, C = 192, sink scales <= 5, windows 3, 5, 7"),
+    'infinity_2b_table4': ({**_INFINITY, 'point_windows': 2},
+                           'infinity_2b with the CSLA layout that reproduces Table 4 (side-1 windows '
+                           'on the two scales below the windowed three)'),
+    'cs4a_only': ({**_INFINITY, 'cs4a_layers': 1.0}, "Table 5's CS4A row: every layer CS4A"),
+    'cs4a_no_cache': ({**_INFINITY, 'cs4a_layers': 1.0, 'cache': False},
+                      "Table 5's CS4A row without O_cache"),
+    'csla_only': ({**_INFINITY, 'cs4a_layers': 0.0}, 'ablation: every layer CSLA'),
+    'var256': (dict(decision=10, sparse=(13, 16), group=64),
+               'ours for VAR at 256 px (10 scales 1..16): the paper has no VAR setting; the decision '
+               'scale is the one before the sparse two, as in the paper, and C = 64 gives it two '
+               'query groups (C = 192 would give it one)'),
+}
+
+
+def _error(field: str, message: str) -> ValueError:
+  return ValueError(f'SparVAR.{field}: {message}')
+
+
+def key_map(patch_nums: tuple[int, ...], s: int, k: int) -> np.ndarray:
+  """[N_<=s] int32: appendix A.2's position at scale index k of every key up to scale index s."""
+  starts = np.concatenate([[0], np.cumsum([p * p for p in patch_nums])])
+  out = []
+  for l in range(s + 1):
+    src, dst = patch_nums[l], patch_nums[l + k - s]
+    u, v = np.divmod(np.arange(src * src), src)
+    out.append(starts[l + k - s] + (u * dst) // src * dst + (v * dst) // src)
+  return np.concatenate(out).astype(np.int32)
+
+
+def group_map(groups_s: int, groups_k: int) -> np.ndarray:
+  """[G_K] int32: the decision scale's query group of each of scale K's (appendix A.2)."""
+  g = np.rint((np.arange(groups_k) + 0.5) / groups_k * groups_s - 0.5)
+  return np.clip(g, 0, groups_s - 1).astype(np.int32)
+
+
+def with_sink(top: Array, sink: int) -> Array:
+  """The sink's keys [0, sink) united with top [B, H, G, k] (distinct keys) -> [B, H, G, sink + k]
+  int32, sorted, a top key inside the sink turned into padding (-1)."""
+  base = jnp.broadcast_to(jnp.arange(sink, dtype=jnp.int32), top.shape[:3] + (sink,))
+  return jnp.sort(jnp.concatenate([base, jnp.where(top < sink, -1, top)], -1), axis=-1)
+
+
+def dense_with_column_sums(q: Array, k: Array, v: Array, kv_len: int, scale: float, group: int):
+  """Dense attention and the column sums of its probabilities per query group (plain jnp).
+
+  q [B, Lq, H, D], k and v [B, >= kv_len, H, D] -> (out [B, Lq, H, D] in q's dtype, sums
+  [B, H, ceil(Lq / group), kv_len] float32).
+  """
+  lq = q.shape[1]
+  s = jnp.einsum('bqhd,bkhd->bhqk', q, k[:, :kv_len], preferred_element_type=jnp.float32) * scale
+  p = jax.nn.softmax(s, axis=-1)
+  out = jnp.einsum('bhqk,bkhd->bqhd', p.astype(v.dtype), v[:, :kv_len],
+                   preferred_element_type=jnp.float32).astype(q.dtype)
+  member = (np.arange(lq)[None] // group == np.arange(-(-lq // group))[:, None]).astype(np.float32)
+  return out, jnp.einsum('gq,bhqk->bhgk', member, p)
+
+
+def upsample(x: Array, src: int, dst: int, method: str) -> Array:
+  """x [B, src * src, H, D] on its grid -> [B, dst * dst, H, D]."""
+  b, _, h, d = x.shape
+  grid = x.reshape(b, src, src, h * d).astype(jnp.float32)
+  out = jax.image.resize(grid, (b, dst, dst, h * d), method=method, antialias=False)
+  return out.reshape(b, dst * dst, h, d)
+
+
+class CS4AHooks(BlockHooks):
+  """CS4A in one block: at the decision scale ('decide') or at a sparse scale ('sparse')."""
+
+  def __init__(self, name: str, policy: 'SparVAR', scale_idx: int):
+    self.name, self.p, self.k = name, policy, scale_idx
+
+  def attend(self, q, k, v, *, mask, kv_len, scale, backend, state):
+    p = self.p
+    s = p.patch_nums.index(p.decision)
+    if self.k == s:
+      out, sums = dense_with_column_sums(q, k, v, kv_len, scale, p.group)
+      top = lax.top_k(sums, p.top_count)[1]
+      sparse = attn_lib.attention(q, k, v, mask=attn_lib.GatheredKeys(with_sink(top, p.sink_len), p.group),
+                                  scale=scale, kv_len=kv_len, backend=backend)
+      return out, {**state, f'{self.name}/top': top,
+                   f'{self.name}/cache': (out.astype(jnp.float32) - sparse.astype(jnp.float32)).astype(q.dtype)}
+    top = state[f'{self.name}/top']
+    groups_k = -(-q.shape[1] // p.group)
+    mapped = jnp.asarray(key_map(p.patch_nums, s, self.k))[top[:, :, group_map(top.shape[2], groups_k)]]
+    out = attn_lib.attention(q, k, v, mask=attn_lib.GatheredKeys(with_sink(mapped, p.sink_len), p.group),
+                             scale=scale, kv_len=kv_len, backend=backend)
+    if p.cache:
+      out = (upsample(state[f'{self.name}/cache'], p.decision, p.patch_nums[self.k], p.cache_upsample)
+             + out.astype(jnp.float32)).astype(q.dtype)
+    return out, state
+
+
+class CSLAHooks(BlockHooks):
+  """CSLA in one block at one sparse scale: the static layout, through the block-sparse kernel."""
+
+  def __init__(self, layout):
+    self.mask = attn_lib.BlockSparse(layout)
+
+  def attend(self, q, k, v, *, mask, kv_len, scale, backend, state):
+    return attn_lib.attention(q, k, v, mask=self.mask, scale=scale, kv_len=kv_len, backend=backend), state
+
+
+@functools.lru_cache(maxsize=32)
+def _csla(patch_nums, query_scale, sink_scales, windows, point_windows, block):
+  return pk.csla_layout(patch_nums, sink_scales=sink_scales, windows=windows, query_scale=query_scale,
+                        block_q=block, block_k=block, point_windows=point_windows)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparVAR(Presets, ScalePolicy):
+  """Static settings (see the module docstring):
+    decision       -- side of the sparse decision scale S;
+    sparse         -- sides of the sparse scales, all after S;
+    topk           -- fraction of the keys up to S each CS4A query group keeps (0.2);
+    group          -- C, queries per CS4A query group (192);
+    sink_scales    -- the first scales, every token of which each sparse query sees (5);
+    cs4a_layers    -- fraction of the blocks, from the first, that run CS4A; the rest CSLA (0.6);
+    windows, point_windows, block -- CSLA's layout (`pallas_kernels.csla_layout`);
+    cache          -- add CS4A's O_cache (Table 5's ablation turns it off);
+    cache_upsample -- how O_cache reaches a larger scale: 'linear' (bilinear) or 'nearest';
+    source         -- where the setting comes from (presets say).
+  """
+  PRESETS: ClassVar[dict] = PRESETS
+  decision: int
+  sparse: tuple[int, ...]
+  topk: float = 0.2
+  group: int = 192
+  sink_scales: int = 5
+  cs4a_layers: float = 0.6
+  windows: tuple[int, ...] = (3, 5, 7)
+  point_windows: int = 0
+  block: int = 128
+  cache: bool = True
+  cache_upsample: str = 'linear'
+  source: str = 'user'
+  patch_nums: Optional[tuple[int, ...]] = dataclasses.field(default=None, repr=False)  # set by bind
+
+  def __post_init__(self):
+    object.__setattr__(self, 'sparse', tuple(sorted(int(s) for s in self.sparse)))
+    object.__setattr__(self, 'windows', tuple(int(w) for w in self.windows))
+    if not self.sparse or any(s <= self.decision for s in self.sparse):
+      raise _error('sparse', f'sides {self.sparse} must be non-empty and larger than decision={self.decision}')
+    if not 0.0 < self.topk <= 1.0:
+      raise _error('topk', f'must be in (0, 1], got {self.topk}')
+    if not 0.0 <= self.cs4a_layers <= 1.0:
+      raise _error('cs4a_layers', f'must be in [0, 1], got {self.cs4a_layers}')
+    if self.group < 16 or self.group % 16:
+      raise _error('group', f'must be a positive multiple of 16 (the kernel query block), got {self.group}')
+    if self.cache_upsample not in UPSAMPLING:
+      raise _error('cache_upsample', f'must be one of {UPSAMPLING}, got {self.cache_upsample!r}')
+    if self.sink_scales < 0:
+      raise _error('sink_scales', f'must be >= 0, got {self.sink_scales}')
+
+  def bind(self, sched: ScaleSchedule, depth: int) -> 'SparVAR':
+    pns = sched.patch_nums
+    for field, sides in (('decision', (self.decision,)), ('sparse', self.sparse)):
+      missing = [s for s in sides if s not in pns]
+      if missing:
+        raise _error(field, f'scales {missing} are not in the schedule {pns}')
+    s = pns.index(self.decision)
+    if self.sink_scales > s + 1:
+      raise _error('sink_scales', f'{self.sink_scales} sink scales reach past the decision scale '
+                   f'{self.decision} (index {s})')
+    bound = dataclasses.replace(self, patch_nums=pns)
+    for side in self.sparse:   # the layouts' own checks, before anything compiles
+      _csla(pns, pns.index(side), self.sink_scales, self.windows, self.point_windows, self.block)
+    return bound
+
+  @property
+  def sink_len(self) -> int:
+    return sum(p * p for p in self.patch_nums[:self.sink_scales])
+
+  @property
+  def top_count(self) -> int:
+    """k: keys each CS4A query group keeps at the decision scale."""
+    s = self.patch_nums.index(self.decision)
+    return max(1, int(self.topk * sum(p * p for p in self.patch_nums[:s + 1])))
+
+  def cs4a_count(self, depth: int) -> int:
+    return int(round(self.cs4a_layers * depth))
+
+  def init_state(self, sched: ScaleSchedule, batch: int) -> dict:
+    """Per CS4A block, from the decision scale on: 'BLOCK/top' [B, H, G_S, k] int32 and
+    'BLOCK/cache' [B, N_S, H, D] (O_cache)."""
+    return {}
+
+  def block_hooks(self, step_idx: int, step: Step, depth: int):
+    if self.patch_nums is None:
+      raise ValueError('SparVAR.block_hooks: bind the policy to a schedule first (make_sampler does)')
+    (si,) = step.scales
+    side, n_cs4a = self.patch_nums[si], self.cs4a_count(depth)
+    if side == self.decision:
+      return [CS4AHooks(str(i), self, si) if i < n_cs4a else None for i in range(depth)]
+    if side not in self.sparse:
+      return None
+    csla = CSLAHooks(_csla(self.patch_nums, si, self.sink_scales, self.windows, self.point_windows,
+                           self.block))
+    return [CS4AHooks(str(i), self, si) if i < n_cs4a else csla for i in range(depth)]

@@ -1,0 +1,204 @@
+"""SparVAR: appendix A.2's index mapping, CS4A against a NumPy transcription of the paper's
+equations, CSLA through the sampler, and settings checked before anything compiles."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from accel.sparvar import (PRESETS, CS4AHooks, SparVAR, dense_with_column_sums, group_map, key_map,
+                           upsample, with_sink)
+from var_models.var.schedules import INFINITY_1024, ScaleSchedule
+
+PNS = (1, 2, 3, 4, 6, 8)
+
+
+def test_key_map_moves_each_key_by_the_scale_offset_and_floors_its_grid_position():
+  # Scale 0's token -> scale 1's first; scale 1's 2x2 -> the top-left of each 2x2 cell of 4x4.
+  np.testing.assert_array_equal(key_map((1, 2, 4), 1, 2), [1, 5, 7, 13, 15])
+  # Onto its own scale, the identity.
+  np.testing.assert_array_equal(key_map(PNS, 3, 3), np.arange(30))
+  # 3x3 -> 4x4: (u, v) -> (floor(4u / 3), floor(4v / 3)) = rows/cols 0, 1, 2.
+  m = key_map((1, 3, 4), 1, 2)
+  np.testing.assert_array_equal(m[1:], 10 + np.array([0, 1, 2, 4, 5, 6, 8, 9, 10]))
+
+
+def test_group_map_is_the_homography_with_half_to_even_rounding_and_clipping():
+  np.testing.assert_array_equal(group_map(5, 5), np.arange(5))
+  np.testing.assert_array_equal(group_map(2, 4), [0, 0, 1, 1])       # (g + .5) / 2 - .5 = -.25, .25, .75, 1.25
+  np.testing.assert_array_equal(group_map(3, 2), [0, 2])             # .25 -> 0, 1.75 -> 2
+  assert group_map(9, 22).min() == 0 and group_map(9, 22).max() == 8
+
+
+def test_with_sink_unites_and_pads_the_duplicates():
+  top = jnp.array([[[[5, 1, 7]]]])
+  np.testing.assert_array_equal(with_sink(top, 3), [[[[-1, 0, 1, 2, 5, 7]]]])
+
+
+def test_dense_with_column_sums_sums_the_probabilities_of_each_query_group():
+  key = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(kk, (1, 10, 2, 16)) for kk in key)
+  out, sums = dense_with_column_sums(q, k, v, 7, 0.25, 4)
+  s = np.einsum('bqhd,bkhd->bhqk', np.asarray(q), np.asarray(k)[:, :7]) * 0.25
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  np.testing.assert_allclose(out, np.einsum('bhqk,bkhd->bqhd', p, np.asarray(v)[:, :7]), rtol=1e-5, atol=1e-6)
+  want = np.stack([p[:, :, :4].sum(2), p[:, :, 4:8].sum(2), p[:, :, 8:].sum(2)], axis=2)
+  np.testing.assert_allclose(sums, want, rtol=1e-5)
+
+
+def test_upsample_onto_the_same_grid_is_the_identity():
+  x = jax.random.normal(jax.random.key(0), (2, 9, 2, 4))
+  for method in ('linear', 'nearest'):
+    np.testing.assert_allclose(upsample(x, 3, 3, method), x, rtol=1e-6)
+
+
+def _numpy_cs4a(q_s, k_s, v_s, q_k, k_k, v_k, policy, s, kk, scale):
+  """The paper's CS4A, restated in NumPy: decision-scale column sums and top-k, A.2's mapping,
+  O = bilinear(O_dense - O_sparse at S) + sparse attention at K (the sink included)."""
+  pns, c = policy.patch_nums, policy.group
+  n_s, n_k = pns[s] ** 2, pns[kk] ** 2
+  ks_len, kk_len = sum(p * p for p in pns[:s + 1]), sum(p * p for p in pns[:kk + 1])
+  sink = sum(p * p for p in pns[:policy.sink_scales])
+
+  def attend(q, k, v, keys):   # q [n, H, D] of one group over a key list per head
+    out = np.zeros(q.shape)
+    for h in range(q.shape[1]):
+      lg = q[:, h] @ k[keys[h], h].T * scale
+      p = np.exp(lg - lg.max(-1, keepdims=True))
+      out[:, h] = (p / p.sum(-1, keepdims=True)) @ v[keys[h], h]
+    return out
+
+  lg = np.einsum('qhd,khd->hqk', q_s, k_s[:ks_len]) * scale
+  p = np.exp(lg - lg.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  dense = np.einsum('hqk,khd->qhd', p, v_s[:ks_len])
+  g_s, g_k = -(-n_s // c), -(-n_k // c)
+  tops, cache = [], np.zeros_like(dense)
+  for g in range(g_s):
+    rows = slice(g * c, (g + 1) * c)
+    top = [np.argsort(-p[h, rows].sum(0), kind='stable')[:policy.top_count] for h in range(p.shape[0])]
+    tops.append(top)
+    keys = [np.union1d(np.arange(sink), t) for t in top]
+    cache[rows] = dense[rows] - attend(q_s[rows], k_s, v_s, keys)
+  table = key_map(pns, s, kk)
+  out = np.zeros(q_k.shape)
+  for g in range(g_k):
+    src = int(np.clip(np.rint((g + 0.5) / g_k * g_s - 0.5), 0, g_s - 1))
+    keys = [np.union1d(np.arange(sink), table[t]) for t in tops[src]]
+    assert all(kk_len > k.max() for k in keys)
+    rows = slice(g * c, (g + 1) * c)
+    out[rows] = attend(q_k[rows], k_k, v_k, keys)
+  up = jax.image.resize(cache.reshape(pns[s], pns[s], -1), (pns[kk], pns[kk], cache[0].size), 'linear')
+  return out + np.asarray(up).reshape(out.shape)
+
+
+@pytest.mark.parametrize('impl', ['reference', 'interpret'])
+def test_cs4a_hooks_compute_the_papers_equations(impl):
+  policy = SparVAR(decision=4, sparse=(6, 8), group=16, sink_scales=2, topk=0.3).bind(ScaleSchedule(PNS), 2)
+  s, kk = PNS.index(4), PNS.index(8)
+  cap = sum(p * p for p in PNS)
+  keys = jax.random.split(jax.random.key(1), 6)
+  q_s, q_k = (jax.random.normal(keys[i], (1, n, 2, 16)) for i, n in ((0, 16), (1, 64)))
+  k_buf, v_buf = (jax.random.normal(keys[i], (1, cap, 2, 16)) for i in (2, 3))
+  with pk.override(impl) if impl != 'reference' else _nothing():
+    out_s, state = CS4AHooks('0', policy, s).attend(q_s, k_buf, v_buf, mask=None, kv_len=30, scale=0.25,
+                                                    backend='xla', state={})
+    out_k, _ = CS4AHooks('0', policy, kk).attend(q_k, k_buf, v_buf, mask=None, kv_len=cap, scale=0.25,
+                                                 backend='xla', state=state)
+  assert state['0/top'].shape == (1, 2, 1, policy.top_count) and policy.top_count == 9
+  want = _numpy_cs4a(*(np.asarray(a[0], np.float64) for a in (q_s, k_buf, v_buf, q_k, k_buf, v_buf)),
+                     policy, s, kk, 0.25)
+  np.testing.assert_allclose(out_k[0], want, rtol=2e-4, atol=2e-5)
+  # At S the block's own output is the dense one.
+  np.testing.assert_allclose(out_s, dense_with_column_sums(q_s, k_buf, v_buf, 30, 0.25, 16)[0], rtol=1e-6)
+
+
+class _nothing:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+LABELS = np.array([1, 7, 3], np.int32)
+
+
+def _sample(var_cfg, vq_cfg, params, policy=None):
+  from var_models.var.sampler import make_sampler
+  return make_sampler(var_cfg, vq_cfg, policy)(params, jax.random.key(0), LABELS, cfg=1.5, top_k=0, top_p=1.0)
+
+
+def test_csla_whose_windows_cover_every_key_reproduces_the_baseline(tiny_var):
+  var_cfg, vq_cfg, params = tiny_var
+  images, aux = _sample(var_cfg, vq_cfg, params)
+  covering = SparVAR(decision=3, sparse=(4,), group=16, sink_scales=1, cs4a_layers=0.0, windows=(9, 9, 9),
+                     block=16)
+  with pk.override('interpret'):
+    sparse, sparse_aux = _sample(var_cfg, vq_cfg, params, covering)
+  for a, b in zip(sparse_aux['indices'], aux['indices']):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_allclose(sparse, images, atol=1e-5)
+
+
+def test_sparvar_sampler_keeps_the_scales_up_to_the_decision_scale_and_changes_the_sparse_ones(tiny_var):
+  """CS4A in block 0 and CSLA in block 1 at the last scale, on the interpret-mode kernels."""
+  var_cfg, vq_cfg, params = tiny_var
+  _, aux = _sample(var_cfg, vq_cfg, params)
+  policy = SparVAR(decision=3, sparse=(4,), group=16, sink_scales=1, topk=0.3, cs4a_layers=0.5,
+                   windows=(1, 1, 3), block=16)
+  with pk.override('interpret'):
+    images, sparse_aux = _sample(var_cfg, vq_cfg, params, policy)
+  assert np.isfinite(np.asarray(images)).all()
+  for si in range(3):
+    np.testing.assert_array_equal(sparse_aux['indices'][si], aux['indices'][si])
+  assert (np.asarray(sparse_aux['indices'][3]) != np.asarray(aux['indices'][3])).any()
+
+
+def test_the_sparse_attention_calls_read_the_kv_buffer_in_place(tiny_var):
+  """Every sparse call gets the whole cache buffer (capacity 30) with its valid length, no copy."""
+  from var_models.nn import attention
+  calls = []
+  real = attention._sparse
+
+  def record(q, k, v, mask, scale, kv_len):
+    calls.append((type(mask).__name__, q.shape[1], k.shape[1], kv_len))
+    return real(q, k, v, mask, scale, kv_len)
+
+  var_cfg, vq_cfg, params = tiny_var
+  policy = SparVAR(decision=3, sparse=(4,), group=16, sink_scales=1, cs4a_layers=0.5, windows=(1, 1, 3),
+                   block=16)
+  attention._sparse = record
+  try:
+    _sample(var_cfg, vq_cfg, params, policy)
+  finally:
+    attention._sparse = real
+  assert calls == [('GatheredKeys', 9, 30, 14), ('GatheredKeys', 16, 30, None), ('BlockSparse', 16, 30, None)]
+
+
+@pytest.mark.parametrize('make,message', [
+    (lambda: SparVAR(decision=40, sparse=(32,)), r'SparVAR.sparse: sides \(32,\) must be'),
+    (lambda: SparVAR(decision=40, sparse=(48,), topk=0.0), 'SparVAR.topk'),
+    (lambda: SparVAR(decision=40, sparse=(48,), group=100), 'SparVAR.group'),
+    (lambda: SparVAR(decision=40, sparse=(48,), cs4a_layers=1.5), 'SparVAR.cs4a_layers'),
+    (lambda: SparVAR(decision=40, sparse=(48,), cache_upsample='bicubic'), 'SparVAR.cache_upsample'),
+    (lambda: SparVAR(decision=41, sparse=(48,)).bind(INFINITY_1024, 4), r'SparVAR.decision: scales \[41\]'),
+    (lambda: SparVAR(decision=2, sparse=(4,), sink_scales=3).bind(INFINITY_1024, 4), 'SparVAR.sink_scales'),
+    (lambda: SparVAR(decision=40, sparse=(48,), windows=(3, 0, 7)).bind(INFINITY_1024, 4), 'windows'),
+])
+def test_bad_settings_are_errors_naming_the_field_before_anything_compiles(make, message):
+  with pytest.raises(ValueError, match=message):
+    make()
+
+
+def test_presets_bind_to_their_schedules_with_the_papers_counts():
+  var256 = ScaleSchedule((1, 2, 3, 4, 5, 6, 8, 10, 13, 16))
+  for name in PRESETS:
+    sched = var256 if name == 'var256' else INFINITY_1024
+    SparVAR.preset(name).bind(sched, 30)
+  p = SparVAR.preset('infinity_2b').bind(INFINITY_1024, 32)
+  assert (p.sink_len, p.top_count, p.cs4a_count(32)) == (121, 824, 19)
+  assert dataclasses.replace(p, cs4a_layers=1.0).cs4a_count(32) == 32
