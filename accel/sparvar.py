@@ -51,6 +51,7 @@ Array = jax.Array
 UPSAMPLING = ('linear', 'nearest')
 
 _INFINITY = dict(decision=40, sparse=(48, 64))
+_VAR256 = dict(decision=10, sparse=(13, 16), group=64)
 # name -> (settings, where they come from)
 PRESETS = {
     'infinity_2b': (_INFINITY, "the paper without skipping (Infinity, 13 scales): decision scale 11 "
@@ -63,10 +64,11 @@ PRESETS = {
     'cs4a_no_cache': ({**_INFINITY, 'cs4a_layers': 1.0, 'cache': False},
                       "Table 5's CS4A row without O_cache"),
     'csla_only': ({**_INFINITY, 'cs4a_layers': 0.0}, 'ablation: every layer CSLA'),
-    'var256': (dict(decision=10, sparse=(13, 16), group=64),
-               'ours for VAR at 256 px (10 scales 1..16): the paper has no VAR setting; the decision '
-               'scale is the one before the sparse two, as in the paper, and C = 64 gives it two '
-               'query groups (C = 192 would give it one)'),
+    'var256': (_VAR256, 'ours for VAR at 256 px (10 scales 1..16): the paper has no VAR setting; the '
+                        'decision scale is the one before the sparse two, as in the paper, and C = 64 gives '
+                        'it two query groups (C = 192 would give it one)'),
+    'var256_cs4a_only': ({**_VAR256, 'cs4a_layers': 1.0}, 'var256 with every layer CS4A'),
+    'var256_csla_only': ({**_VAR256, 'cs4a_layers': 0.0}, 'var256 with every layer CSLA'),
 }
 
 

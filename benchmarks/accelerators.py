@@ -8,8 +8,8 @@ attention on both sides; cfg 1.5, top-k 900, top-p 0.96):
   infinity_2b -- a VAR of Infinity-2B's transformer shape (depth 32, width 2048, 16 heads, head
                  dim 128) on the 13-scale 1024 px schedule, with VAR's 4096-code head and its
                  VQVAE decoding 1024 px (Infinity's bitwise tokenizer and text encoder are not
-                 ported); policies fastvar:infinity_2b and fastvar:hart;
-  d30         -- VAR-d30 at 256 px; policy fastvar:var256;
+                 ported); FastVAR's, LazyVAR's and SparVAR's Infinity presets;
+  d30         -- VAR-d30 at 256 px; their var256 presets;
   smoke       -- a 2-block VAR at 256 px, for checking this script on a CPU (--attn xla).
 Every sampler is lowered in turn and compiled in a pool of --compile_workers threads (compile
 seconds are each program's own wall time, under that contention), then, after --wait_for
@@ -48,14 +48,16 @@ from var_models.var.sampler import make_sampler
 from var_models.var.schedules import INFINITY_1024, VAR_256
 
 LAZYVAR_INFINITY = ('infinity_2b', 'no_pgd', 'no_cum', 'group5', 'keep40_20', 'keep0_0')
+SPARVAR_INFINITY = ('infinity_2b', 'infinity_2b_table4', 'cs4a_only', 'cs4a_no_cache', 'csla_only')
 MODELS = {
     'infinity_2b': (dict(depth=32, width=2048, num_heads=16, patch_nums=INFINITY_1024.patch_nums),
                     dict(patch_nums=INFINITY_1024.patch_nums),
-                    ('fastvar:infinity_2b', 'fastvar:hart') + tuple(f'lazyvar:{p}' for p in LAZYVAR_INFINITY)),
-    'd30': (dict(depth=30), dict(), ('fastvar:var256', 'lazyvar:var256')),
+                    ('fastvar:infinity_2b', 'fastvar:hart') + tuple(f'lazyvar:{p}' for p in LAZYVAR_INFINITY)
+                    + tuple(f'sparvar:{p}' for p in SPARVAR_INFINITY)),
+    'd30': (dict(depth=30), dict(), ('fastvar:var256', 'lazyvar:var256', 'sparvar:var256')),
     'smoke': (dict(depth=2, width=64, num_heads=2, vocab_size=64, cvae=8, num_classes=10),
               dict(vocab_size=64, z_channels=8, ch=32, num_res_blocks=1, patch_nums=VAR_256.patch_nums),
-              ('fastvar:var256',)),
+              ('fastvar:var256', 'sparvar:var256')),
 }
 OPTS = dict(cfg=1.5, top_k=900, top_p=0.96)
 
