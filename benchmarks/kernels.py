@@ -20,11 +20,17 @@
     the sinks; here random distinct positions, sorted), at Infinity-2B 1024 px
     and VAR-d30 256 px, against cuDNN dense attention on the same q, k, v, with
     the achieved fraction of the floor of the gathered work.
+(e) Column sums per query group (SparVAR's CS4A decision scale, Infinity-2B 1024 px:
+    q 1600, the 4121 keys of a 10521-row KV buffer, group 192): the plain-jnp
+    computation accel.sparvar used (materialised logits and probabilities), the
+    dense flash forward with lse, the column-sum kernel given that lse (block_k /
+    num_warps variants) and both together, against cuDNN dense attention on the
+    same q, k, v, with the kernel's fraction of its floor.
 
 Every kernel is first checked against a float32 XLA computation on the same
 bf16 inputs (relative L2 error). Times: medians over repetitions of many
 back-to-back calls (inputs rotated beyond L2) after warm-up; compile apart.
-Usage (GPU): PYTHONPATH=. python3 benchmarks/kernels.py [--only a,b,c,d]
+Usage (GPU): PYTHONPATH=. python3 benchmarks/kernels.py [--only a,b,c,d,e]
 CPU smoke run of the script itself (tiny shapes, interpret mode): --smoke
 """
 from __future__ import annotations
@@ -437,9 +443,125 @@ def bench_gathered(args, ceil):
            'compile s'], rows)
 
 
+# -------------------------------------------------------------------------- (e)
+def _jnp_dense_with_column_sums(q, k, v, kv_len, scale, group):
+  """accel.sparvar.dense_with_column_sums as it was before the kernels (plain jnp): the
+  [B, H, Lq, kv_len] float32 logits and probabilities, per-group sums by a 0/1 matrix."""
+  lq = q.shape[1]
+  s = jnp.einsum('bqhd,bkhd->bhqk', q, k[:, :kv_len], preferred_element_type=jnp.float32) * scale
+  p = jax.nn.softmax(s, axis=-1)
+  out = jnp.einsum('bhqk,bkhd->bqhd', p.astype(v.dtype), v[:, :kv_len],
+                   preferred_element_type=jnp.float32).astype(q.dtype)
+  member = (np.arange(lq)[None] // group == np.arange(-(-lq // group))[:, None]).astype(np.float32)
+  return out, jnp.einsum('gq,bhqk->bhgk', member, p)
+
+
+def bench_column_sums(args, ceil):
+  smoke = args.smoke
+  # Infinity-2B 1024 px, decision scale 40x40: its 1600 queries over the 4121 keys up to it,
+  # in the 13-scale KV buffer (10521 rows); CS4A's query groups of 192.
+  b, h, d, lq, kv_len, lk, group = ((2, 2, 16, 40, 37, 64, 16) if smoke else
+                                    (2, 16, 128, 1600, 4121, 10521, 192))
+  g, scale = -(-lq // group), 1 / np.sqrt(d)
+  flash_impls = ['interpret'] if smoke else ['triton', 'mosaic']
+  kimpl = 'interpret' if smoke else 'triton'
+  dense = 'xla' if smoke else 'cudnn'
+  # (block_k, num_warps); the first is the default.
+  tilings = [(16, 4)] if smoke else [(64, 4), (64, 8), (128, 4), (128, 8), (256, 8), (32, 4)]
+  layout = pk.dense_layout(lq, kv_len, pk.default_block(lq), pk.default_block(kv_len))
+  end = min(lk, layout.num_k_blocks * layout.block_k)   # what block_sparse_attention may read
+
+  def flash(impl):
+    return lambda q, k, v: pk.block_sparse_attention(q, k[:, :end], v[:, :end], layout, scale=scale,
+                                                     return_lse=True, impl=impl)
+
+  def sums(bk, w):
+    return lambda q, k, lse: pk.group_column_sums(q, k, lse, group=group, scale=scale,
+                                                  kv_len=kv_len, impl=kimpl, block_k=bk,
+                                                  num_warps=w)
+
+  def both(impl, bk, w):
+    f, c = flash(impl), sums(bk, w)
+
+    def run(q, k, v):
+      out, lse = f(q, k, v)
+      return out, c(q, k, lse)
+    return run
+
+  # KV buffers: zeros past kv_len, as the sampler's cache has (the flash kernel reads up to `end`).
+  sets = [(q, k.at[:, kv_len:].set(0), v.at[:, kv_len:].set(0))
+          for q, k, v in _qkv_sets(b, lq, lk, h, d, 2, seed=3)]   # 2 x 185 MB: beyond L2
+  lse_sets = [(q, k, flash(flash_impls[0])(q, k, v)[1]) for q, k, v in sets]
+  dense_sets = [(q, k[:, :kv_len], v[:, :kv_len]) for q, k, v in sets]
+  # name -> (fn, its input sets)
+  variants = {'(1) plain jnp (softmax, P V, group sums by einsum)': (
+      lambda q, k, v: _jnp_dense_with_column_sums(q, k, v, kv_len, scale, group), sets)}
+  for impl in flash_impls:
+    variants[f'(2) flash fwd + lse, {impl}'] = (flash(impl), sets)
+  for bk, w in tilings:
+    variants[f'(3) column sums bk{bk} w{w}'] = (sums(bk, w), lse_sets)
+  variants[f'{dense} dense (no mask)'] = (
+      lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, implementation=dense),
+      dense_sets)
+
+  # Checks against float32 XLA on the same bf16 inputs: out, lse and the sums.
+  q, k, v = sets[0]
+  f32 = [q.astype(jnp.float32)] + [a[:, :kv_len].astype(jnp.float32) for a in (k, v)]
+  want = dict(zip(('out', 'sums'), _jnp_dense_with_column_sums(*f32, kv_len, scale, group)))
+  want['lse'] = jax.nn.logsumexp(jnp.einsum('bqhd,bkhd->bhqk', f32[0], f32[1]) * scale, axis=-1)
+  del f32
+  lse_err = lambda lse: f'lse max abs {float(jnp.max(jnp.abs(lse - want["lse"]))):.1e}'
+  errs, res = {}, {}
+
+  def check(vname, got):
+    if vname.startswith('(2)'):
+      return f'out {rel_err(got[0], want["out"]):.1e} / {lse_err(got[1])}'
+    if vname.startswith('(3)'):
+      return f'sums {rel_err(got, want["sums"]):.1e}'
+    if isinstance(got, tuple):
+      return f'out {rel_err(got[0], want["out"]):.1e} / sums {rel_err(got[1], want["sums"]):.1e}'
+    return f'out {rel_err(got, want["out"]):.1e}'
+
+  def measure(vname, f, arg_sets):
+    try:
+      errs[vname] = check(vname, f(*arg_sets[0]))   # unjitted: timeit's compile stays apart
+      res[vname] = timeit(f, arg_sets, 2 if smoke else 50)
+    except Exception as e:  # e.g. Mosaic refusing the shapes, a tiling out of shared memory
+      print(f'{vname} failed: {type(e).__name__}: {str(e)[:300]}')
+
+  for vname, (f, arg_sets) in variants.items():
+    measure(vname, f, arg_sets)
+  # (4) = (2) + (3) in one program, with the default tiling and with the best of (3).
+  timed = [(bk, w) for bk, w in tilings if f'(3) column sums bk{bk} w{w}' in res]
+  best = (min(timed, key=lambda t: res[f'(3) column sums bk{t[0]} w{t[1]}'][1]) if timed
+          else tilings[0])
+  for impl in flash_impls:
+    for bk, w in dict.fromkeys([tilings[0], best]):
+      measure(f'(4) flash {impl} + column sums bk{bk} w{w}', both(impl, bk, w), sets)
+  want.clear()
+
+  flops = 2 * b * h * lq * kv_len * d
+  nbytes = 2 * b * (lq + kv_len) * h * d + 4 * b * h * lq + 4 * b * h * g * kv_len  # q, k, lse, out
+  f_ms, b_ms = floor_ms(flops, nbytes, ceil)
+  dense_f_ms, _ = floor_ms(2 * flops, 0, ceil)
+  plain = res.get(next(iter(variants)), (0, float('nan')))[1]
+  base = res.get(f'{dense} dense (no mask)', (0, float('nan')))[1]
+  rows = [(vname, ms, plain / ms, base / ms,
+           max(f_ms, b_ms) / ms if vname.startswith('(3)') else '', errs[vname], cs)
+          for vname, (cs, ms) in res.items()]
+  print(f'\n(e) column sums per query group (SparVAR CS4A decision scale): q {lq}, kv {kv_len} '
+        f'(buffer {lk}), batch {b}, {h} heads, head dim {d}, bf16, group {group} ({g} groups); '
+        f'floor of (3) {f_ms:.4f} ms of matmul ({flops:.3g} FLOPs), {b_ms:.4f} ms of bytes '
+        f'({nbytes / 1e6:.1f} MB: q, k, lse, sums); dense attention matmul floor '
+        f'{dense_f_ms:.4f} ms; best (3) tiling bk{best[0]} w{best[1]}')
+  table('(e) column sums per query group, Infinity-2B decision scale',
+        ['variant', 'median ms', 'speedup vs (1)', f'speedup vs {dense} dense',
+         'fraction of floor', 'error vs float32 XLA', 'compile s'], rows)
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--only', default='a,b,c,d')
+  p.add_argument('--only', default='a,b,c,d,e')
   p.add_argument('--smoke', action='store_true', help='tiny shapes, interpret mode (CPU)')
   p.add_argument('--bwd_configs', default='',
                  help="extra backward variants for (b), e.g. '32x64w4,64x128w8'")
@@ -448,7 +570,8 @@ def main():
   ceil = ceilings(args.smoke)
   print(f'measured ceilings: copy {ceil["copy_gbs"]:.0f} GB/s (read + write), '
         f'bf16 matmul {ceil["tflops"]:.0f} TFLOP/s')
-  parts = dict(a=bench_csla, b=bench_training, c=bench_gather, d=bench_gathered)
+  parts = dict(a=bench_csla, b=bench_training, c=bench_gather, d=bench_gathered,
+               e=bench_column_sums)
   for part in args.only.split(','):
     try:
       parts[part](args, ceil)

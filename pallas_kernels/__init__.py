@@ -1,11 +1,12 @@
-"""pallas_kernels: block-sparse cross-scale attention, gathered-key attention, top-k token
-gather/scatter, dense + GELU.
+"""pallas_kernels: block-sparse cross-scale attention, gathered-key attention, attention column
+sums per query group, top-k token gather/scatter, dense + GELU.
 
 Kernels in Pallas (Triton lowering on NVIDIA GPUs; the block-sparse attention, both
 directions, also in Mosaic GPU on Hopper; dense + GELU in Mosaic GPU only), their layouts,
 and the plain-jnp references they fall back to elsewhere. Imports jax only.
 NOTES.md beside this file records floors, predictions and measurements.
 """
+from pallas_kernels.column_sums import group_column_sums
 from pallas_kernels.dense_gelu import dense_gelu
 from pallas_kernels.dispatch import IMPLS, override, resolve
 from pallas_kernels.gathered_attention import gathered_attention
@@ -17,9 +18,10 @@ from pallas_kernels.sparse_attention import block_sparse_attention
 from pallas_kernels.token_gather import gather_rows, pts_topk_gather, token_scatter, topk_gather
 
 __all__ = [
-    'dense_gelu', 'IMPLS', 'override', 'resolve', 'gathered_attention', 'BlockLayout',
-    'csla_layout', 'default_block', 'dense_layout', 'layout_density', 'layout_from_mask',
-    'layout_from_rows', 'level_causal_layout', 'scale_causal_layout', 'schedule_levels',
+    'group_column_sums', 'dense_gelu', 'IMPLS', 'override', 'resolve', 'gathered_attention',
+    'BlockLayout', 'csla_layout', 'default_block', 'dense_layout', 'layout_density',
+    'layout_from_mask', 'layout_from_rows', 'level_causal_layout', 'scale_causal_layout',
+    'schedule_levels',
     'masked_attention', 'pts_scores', 'block_sparse_attention', 'gather_rows', 'pts_topk_gather',
     'token_scatter', 'topk_gather',
 ]

@@ -48,6 +48,24 @@ def gathered_attention(q, k, v, idx, group: int, scale: float, kv_len: int):
   return o[:, :lq].astype(q.dtype), lse.reshape(b, h, g * group)[..., :lq]
 
 
+def group_column_sums(q, k, lse, group: int, scale: float, kv_len: int):
+  """Column sums of the attention probabilities per query group (SparVAR's CS4A scores).
+
+  q [B, Lq, H, D], k [B, Lk, H, D] (rows from kv_len on unused), lse [B, H, Lq], the
+  natural-log log-sum-exp of each query row over the first kv_len keys (-inf rows
+  contribute 0) -> sums [B, H, ceil(Lq / group), kv_len]: sums[b, h, g, j] = sum over
+  queries q of [g * group, (g + 1) * group), q < Lq, of exp(scale q.k_j - lse[b, h, q]).
+  """
+  b, lq, h, _ = q.shape
+  g = -(-lq // group)
+  dt = jnp.promote_types(q.dtype, jnp.float32)
+  s = jnp.einsum('bqhd,bkhd->bhqk', q.astype(dt), k[:, :kv_len].astype(dt)) * scale
+  lse = jnp.asarray(lse, dt)
+  p = jnp.exp(s - jnp.where(lse == -jnp.inf, jnp.inf, lse)[..., None])
+  p = jnp.pad(p, ((0, 0), (0, 0), (0, g * group - lq), (0, 0)))
+  return p.reshape(b, h, g, group, kv_len).sum(3)
+
+
 def _masked_softmax(s, mask):
   """Softmax of the logits s over the last axis where `mask` holds -> (p, lse);
   a row with nothing unmasked gives p = 0 and lse = -inf."""
