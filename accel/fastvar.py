@@ -52,6 +52,9 @@ PRESETS = {
              "our mapping of the authors' HART-1024 setting (cache 36, 0.5 at 48, 0.75 at 64, every "
              "block, nothing skipped) onto the 13-scale schedule by the paper's rule: the cache is the "
              "scale just before the first pruned one, here 40"),
+    'skip2': (dict(ratios=((48, 1.0), (64, 1.0))),
+              'the last two scales of the 13-scale schedule skipped, nothing pruned: the skip-2 baseline '
+              'SparVAR composes with (its appendix C)'),
     'var256': (dict(ratios=((13, 0.4), (16, 0.5)), cache_at=10),
                "ours for VAR at 256 px (10 scales 1..16): the paper's appendix A reports VAR results "
                "only (d30 2.2 s -> 1.9 s), no setting. Its small speed-up means nothing is skipped; "

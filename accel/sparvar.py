@@ -27,7 +27,10 @@ side. Every scale up to the decision scale S runs dense attention in every block
     the last scales, `point_windows` side-1 windows below them: 2 reproduces Table 4's block
     sparsities exactly), run by the block-sparse kernel.
 The paper's setting without skipping (Infinity, 13 scales): S = its scale 11 (40x40),
-the last two scales sparse, CS4A in 60 % of the layers from the shallowest, CSLA in the rest.
+the last two scales sparse, CS4A in 60 % of the layers from the shallowest (round(0.6 depth):
+19 of Infinity-2B's 32, 24 of Infinity-8B's 40), CSLA in the rest. Its skip-2 setting
+(S = scale 10, scale 11 sparse, the last two skipped) composes the preset `skip2` with FastVAR's
+trailing skip: `policy_from_spec('fastvar:skip2+sparvar:skip2')`.
 """
 from __future__ import annotations
 
@@ -57,6 +60,14 @@ PRESETS = {
     'infinity_2b': (_INFINITY, "the paper without skipping (Infinity, 13 scales): decision scale 11 "
                                "(40x40), the last two scales sparse, CS4A : CSLA = 6 : 4 from the "
                                "shallowest layer, top-k 0.2, C = 192, sink scales <= 5, windows 3, 5, 7"),
+    'infinity_8b': (_INFINITY, "the paper's setting for Infinity-8B: infinity_2b's (the paper uses one "
+                               'for both)'),
+    'infinity_2b_s10': ({**_INFINITY, 'decision': 32, 'sparse': (40, 48, 64)},
+                        'decision scale 10 (32x32) without skipping, the trade-off its sections 3.2 and 4.3 '
+                        'call best: the last three scales sparse'),
+    'skip2': ({**_INFINITY, 'decision': 32, 'sparse': (40,)},
+              "the paper's skip-2 setting (decision scale 10, scale 11 sparse) for the spec "
+              "'fastvar:skip2+sparvar:skip2', FastVAR's trailing skip of the last two scales"),
     'infinity_2b_table4': ({**_INFINITY, 'point_windows': 2},
                            'infinity_2b with the CSLA layout that reproduces Table 4 (side-1 windows '
                            'on the two scales below the windowed three)'),
@@ -101,12 +112,25 @@ def with_sink(top: Array, sink: int) -> Array:
 
 
 def dense_with_column_sums(q: Array, k: Array, v: Array, kv_len: int, scale: float, group: int):
-  """Dense attention and the column sums of its probabilities per query group (plain jnp).
+  """Dense attention and the column sums of its probabilities per query group.
 
   q [B, Lq, H, D], k and v [B, >= kv_len, H, D] -> (out [B, Lq, H, D] in q's dtype, sums
-  [B, H, ceil(Lq / group), kv_len] float32).
+  [B, H, ceil(Lq / group), kv_len] float32). The flash forward (`pk.block_sparse_attention`
+  on the dense layout) gives out and each row's log-sum-exp, then `pk.group_column_sums` the
+  sums: neither materialises the [B, H, Lq, kv_len] probabilities. Buffer rows past kv_len,
+  up to the last key block, must be finite (a KV cache's zeros are). Head dims that are not a
+  power of two >= 16, other dtypes than float32 / bfloat16 / float16 and groups that are not
+  multiples of 16 take the plain-jnp computation.
   """
-  lq = q.shape[1]
+  lq, d = q.shape[1], q.shape[-1]
+  kv_len = k.shape[1] if kv_len is None else int(kv_len)
+  if not (d < 16 or d & (d - 1) or group % 16
+          or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16)):
+    layout = pk.dense_layout(lq, kv_len, pk.default_block(lq), pk.default_block(kv_len))
+    end = min(k.shape[1], layout.num_k_blocks * layout.block_k)   # the kernel's key blocks
+    out, lse = pk.block_sparse_attention(q, k[:, :end], v[:, :end], layout, scale=scale,
+                                         return_lse=True)
+    return out, pk.group_column_sums(q, k, lse, group=group, scale=scale, kv_len=kv_len)
   s = jnp.einsum('bqhd,bkhd->bhqk', q, k[:, :kv_len], preferred_element_type=jnp.float32) * scale
   p = jax.nn.softmax(s, axis=-1)
   out = jnp.einsum('bhqk,bkhd->bqhd', p.astype(v.dtype), v[:, :kv_len],

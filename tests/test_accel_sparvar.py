@@ -113,7 +113,7 @@ def test_cs4a_hooks_compute_the_papers_equations(impl):
                      policy, s, kk, 0.25)
   np.testing.assert_allclose(out_k[0], want, rtol=2e-4, atol=2e-5)
   # At S the block's own output is the dense one.
-  np.testing.assert_allclose(out_s, dense_with_column_sums(q_s, k_buf, v_buf, 30, 0.25, 16)[0], rtol=1e-6)
+  np.testing.assert_allclose(out_s, dense_with_column_sums(q_s, k_buf, v_buf, 30, 0.25, 16)[0], rtol=1e-5, atol=1e-6)
 
 
 class _nothing:
@@ -158,6 +158,20 @@ def test_sparvar_sampler_keeps_the_scales_up_to_the_decision_scale_and_changes_t
   assert (np.asarray(sparse_aux['indices'][3]) != np.asarray(aux['indices'][3])).any()
 
 
+def test_sparvar_composes_with_fastvars_trailing_skip(tiny_var):
+  """The skip-2 setting in small: FastVAR skips the last scale, SparVAR sparsifies the one before."""
+  from accel import FastVAR, compose
+  var_cfg, vq_cfg, params = tiny_var
+  policy = compose(FastVAR(ratios=((4, 1.0),)),
+                   SparVAR(decision=2, sparse=(3,), group=16, sink_scales=1, windows=(1, 3), block=16))
+  _, aux = _sample(var_cfg, vq_cfg, params)
+  with pk.override('interpret'):
+    images, skip_aux = _sample(var_cfg, vq_cfg, params, policy)
+  assert np.isfinite(np.asarray(images)).all() and len(skip_aux['indices']) == 3
+  for si in range(2):
+    np.testing.assert_array_equal(skip_aux['indices'][si], aux['indices'][si])
+
+
 def test_the_sparse_attention_calls_read_the_kv_buffer_in_place(tiny_var):
   """Every sparse call gets the whole cache buffer (capacity 30) with its valid length, no copy."""
   from var_models.nn import attention
@@ -200,5 +214,6 @@ def test_presets_bind_to_their_schedules_with_the_papers_counts():
     sched = var256 if name.startswith('var256') else INFINITY_1024
     SparVAR.preset(name).bind(sched, 30)
   p = SparVAR.preset('infinity_2b').bind(INFINITY_1024, 32)
-  assert (p.sink_len, p.top_count, p.cs4a_count(32)) == (121, 824, 19)
+  assert (p.sink_len, p.top_count, p.cs4a_count(32), p.cs4a_count(40)) == (121, 824, 19, 24)
+  assert SparVAR.preset('skip2').bind(INFINITY_1024, 32).top_count == int(0.2 * 2521)
   assert dataclasses.replace(p, cs4a_layers=1.0).cs4a_count(32) == 32
