@@ -9,6 +9,8 @@ attention on both sides; cfg 1.5, top-k 900, top-p 0.96):
                  dim 128) on the 13-scale 1024 px schedule, with VAR's 4096-code head and its
                  VQVAE decoding 1024 px (Infinity's bitwise tokenizer and text encoder are not
                  ported); FastVAR's, LazyVAR's and SparVAR's Infinity presets;
+  infinity_8b -- the same at Infinity-8B's shape (depth 40, width 3584, 28 heads); SparVAR with
+                 and without skip-2, and skip-2 alone;
   d30         -- VAR-d30 at 256 px; their var256 presets;
   smoke       -- a 2-block VAR at 256 px, for checking this script on a CPU (--attn xla).
 Every sampler is lowered in turn and compiled in a pool of --compile_workers threads (compile
@@ -53,7 +55,11 @@ MODELS = {
     'infinity_2b': (dict(depth=32, width=2048, num_heads=16, patch_nums=INFINITY_1024.patch_nums),
                     dict(patch_nums=INFINITY_1024.patch_nums),
                     ('fastvar:infinity_2b', 'fastvar:hart') + tuple(f'lazyvar:{p}' for p in LAZYVAR_INFINITY)
-                    + tuple(f'sparvar:{p}' for p in SPARVAR_INFINITY)),
+                    + tuple(f'sparvar:{p}' for p in SPARVAR_INFINITY)
+                    + ('fastvar:skip2', 'fastvar:skip2+sparvar:skip2')),
+    'infinity_8b': (dict(depth=40, width=3584, num_heads=28, patch_nums=INFINITY_1024.patch_nums),
+                    dict(patch_nums=INFINITY_1024.patch_nums),
+                    ('sparvar:infinity_8b', 'fastvar:skip2', 'fastvar:skip2+sparvar:skip2')),
     'd30': (dict(depth=30), dict(), ('fastvar:var256', 'lazyvar:var256', 'sparvar:var256')),
     'smoke': (dict(depth=2, width=64, num_heads=2, vocab_size=64, cvae=8, num_classes=10),
               dict(vocab_size=64, z_channels=8, ch=32, num_res_blocks=1, patch_nums=VAR_256.patch_nums),
