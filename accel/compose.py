@@ -12,7 +12,8 @@ where it has none:
   - block hooks: at most one policy may select a sub-layer's tokens; its `restore` fills in
     the others, then every other policy's `restore` sees the full output (idx None), so a
     policy that caches outputs (FastVAR's cache scale) still can; `kv` passes the keys and
-    values through each policy in turn;
+    values through each policy in turn; at most one policy may compute a block's attention
+    (`attend`, SparVAR's);
   - attn_mask: the first policy that overrides the baseline's.
 """
 from __future__ import annotations
@@ -72,6 +73,16 @@ class ComposedHooks(BlockHooks):
       k, v, sub = h.kv(k, v, idx, state[slot])
       state = _with_slot(state, slot, sub)
     return k, v, state
+
+  def attend(self, q, k, v, *, mask, kv_len, scale, backend, state: tuple):
+    own = [(slot, h) for slot, h in self.hooks if type(h).attend is not BlockHooks.attend]
+    if len(own) > 1:
+      raise ValueError('compose: two policies compute the attention of one block')
+    if not own:
+      return super().attend(q, k, v, mask=mask, kv_len=kv_len, scale=scale, backend=backend, state=state)
+    slot, h = own[0]
+    out, sub = h.attend(q, k, v, mask=mask, kv_len=kv_len, scale=scale, backend=backend, state=state[slot])
+    return out, _with_slot(state, slot, sub)
 
   def restore(self, site: str, y: Array, idx: Optional[Array], x: Array, state: tuple):
     first = self.selector.get(site)

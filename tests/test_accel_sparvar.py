@@ -162,14 +162,17 @@ def test_sparvar_composes_with_fastvars_trailing_skip(tiny_var):
   """The skip-2 setting in small: FastVAR skips the last scale, SparVAR sparsifies the one before."""
   from accel import FastVAR, compose
   var_cfg, vq_cfg, params = tiny_var
-  policy = compose(FastVAR(ratios=((4, 1.0),)),
-                   SparVAR(decision=2, sparse=(3,), group=16, sink_scales=1, windows=(1, 3), block=16))
+  sparvar = SparVAR(decision=2, sparse=(3,), group=16, sink_scales=1, windows=(1, 3), block=16)
   _, aux = _sample(var_cfg, vq_cfg, params)
   with pk.override('interpret'):
-    images, skip_aux = _sample(var_cfg, vq_cfg, params, policy)
+    images, skip_aux = _sample(var_cfg, vq_cfg, params, compose(FastVAR(ratios=((4, 1.0),)), sparvar))
+    _, sparse_aux = _sample(var_cfg, vq_cfg, params, sparvar)
   assert np.isfinite(np.asarray(images)).all() and len(skip_aux['indices']) == 3
   for si in range(2):
     np.testing.assert_array_equal(skip_aux['indices'][si], aux['indices'][si])
+  # The sparse scale is SparVAR's, not the baseline's.
+  np.testing.assert_array_equal(skip_aux['indices'][2], sparse_aux['indices'][2])
+  assert (np.asarray(skip_aux['indices'][2]) != np.asarray(aux['indices'][2])).any()
 
 
 def test_the_sparse_attention_calls_read_the_kv_buffer_in_place(tiny_var):
