@@ -116,7 +116,7 @@ def _check(q, k, lse, group: int, kv_len: int, block_q: int, block_k: int) -> No
 
 
 def group_column_sums(q, k, lse, *, group: int, scale: Optional[float] = None,
-                      kv_len: Optional[int] = None, impl: str = 'auto', block_k: int = 64,
+                      kv_len: Optional[int] = None, impl: str = 'auto', block_k: int = 128,
                       block_q: Optional[int] = None, num_warps: Optional[int] = None,
                       num_stages: int = 2):
   """Column sums of the attention probabilities per query group (SparVAR's CS4A scores).
