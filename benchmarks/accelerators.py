@@ -39,10 +39,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from accel import policy_from_spec
+from accel import LazyMAR, policy_from_spec
 from accel.compare import peak_bytes
+from accel.lazymar_flops import lazymar_sampling_flops, official_extra
 from timing import call_times, device_events, print_top_device_ops
 from var_models.flop_count import flops
+from var_models.mar import model as mar_model
+from var_models.mar.flops import sampling_flops
+from var_models.tokenizers.autoencoder_kl import KL16
 from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig
 from var_models.var.from_config import init_var_params
 from var_models.var.model import VARConfig
@@ -238,6 +242,36 @@ def flop_table(args) -> None:
       print(f'| {model} | {spec} | {total / 1e12:.2f} | {(total - decoder) / 1e12:.2f} |', flush=True)
 
 
+# LazyMAR's paper, 64 iterations: MAR's TFLOPs, and LazyMAR's with its 'Speed', which is the FLOPs ratio but
+# for the token-cache row (69.06 / 44.21 = 1.56): Table 1 (every cache) for B, L, H; Table 2's MAR-H
+# ablations, 'token cache' beside our decoder_only and 'condition cache' beside condition_only.
+PAPER_MAR = {'base': 15.49, 'large': 35.05, 'huge': 69.06}
+PAPER_LAZYMAR = {('base', 'official'): (5.54, 2.80), ('large', 'official'): (12.52, 2.80),
+                 ('huge', 'official'): (24.38, 2.83), ('huge', 'decoder_only'): (44.21, 1.59),
+                 ('huge', 'condition_only'): (36.80, 1.87)}
+
+
+def mar_flop_table(args) -> None:
+  """--flops --mar_sizes: model FLOPs per image without the VAE decoder (64 iterations, 100 head steps, CFG)
+  of MAR (`var_models.mar.flops`) and each LazyMAR preset (`accel.lazymar_flops`), the ratio over MAR; beside
+  them the count of the official code's way of computing the same caches (+ `official_extra`) and the
+  paper's row."""
+  print('| model | policy | TFLOPs / image without decode | ratio | official code: TFLOPs | ratio '
+        '| paper: TFLOPs | ratio | Speed |\n' + '| --- ' * 9 + '|', flush=True)
+  for size in args.mar_sizes.split(','):
+    cfg = getattr(mar_model, size)()
+    base, paper_base = sampling_flops(cfg, KL16)['per_image_without_decode'], PAPER_MAR.get(size)
+    print(f"| MAR-{size} | baseline | {base / 1e12:.2f} | 1.00x | | | {paper_base or ''} | | |", flush=True)
+    for preset in args.mar_presets.split(','):
+      policy = LazyMAR.preset(preset)
+      ours = lazymar_sampling_flops(cfg, KL16, policy)['per_image_without_decode']
+      official = ours + official_extra(cfg, policy)
+      paper = PAPER_LAZYMAR.get((size, preset))
+      paper = f'{paper[0]:.2f} | {paper_base / paper[0]:.2f}x | {paper[1]:.2f}x' if paper else ' | |'
+      print(f'| MAR-{size} | {preset} | {ours / 1e12:.2f} | {base / ours:.2f}x | {official / 1e12:.2f} | '
+            f'{base / official:.2f}x | {paper} |', flush=True)
+
+
 MAR_PRESETS = ('official', 'encoder_only', 'decoder_only', 'condition_only', 'head_only')
 ECAR_PRESETS = ('every_2', 'every_3', 'every_5', 'last_every_3')
 
@@ -314,8 +348,10 @@ def main():
   ap.add_argument('--wait_for', default='', help='a file to wait for between compiling and timing')
   ap.add_argument('--profile', default='', help='trace one call of each sampler at the first batch under this folder')
   ap.add_argument('--json', default='', help='also write the rows here')
-  ap.add_argument('--flops', action='store_true', help='count FLOPs per image instead of timing (no GPU needed)')
-  ap.add_argument('--mar_sizes', default='', help='MAR sizes (base, large, huge): time LazyMAR instead of VAR')
+  ap.add_argument('--flops', action='store_true', help='count FLOPs per image instead of timing (no GPU needed; '
+                  'VAR models, or with --mar_sizes LazyMAR)')
+  ap.add_argument('--mar_sizes', default='', help='MAR sizes (base, large, huge): time (or --flops: count) LazyMAR '
+                  'instead of VAR')
   ap.add_argument('--mar_presets', default=','.join(MAR_PRESETS), help='LazyMAR presets beside the MAR baseline')
   ap.add_argument('--ecar_sizes', default='', help="E-CAR sizes (S, B, L): time E-CAR's condition cache "
                   'instead of VAR')
@@ -323,6 +359,11 @@ def main():
   ap.add_argument('--family_dtype', default='bfloat16', help='compute dtype of the MAR and E-CAR models')
   args = ap.parse_args()
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
+  if args.flops and args.ecar_sizes:
+    ap.error('--flops counts VAR and MAR models, not E-CAR')
+  if args.flops and args.mar_sizes:
+    mar_flop_table(args)
+    return
   if args.mar_sizes or args.ecar_sizes:
     family_main(args)
     return
