@@ -116,6 +116,19 @@ def test_cs4a_hooks_compute_the_papers_equations(impl):
   np.testing.assert_allclose(out_s, dense_with_column_sums(q_s, k_buf, v_buf, 30, 0.25, 16)[0], rtol=1e-5, atol=1e-6)
 
 
+def test_selecting_every_key_at_the_decision_scale_leaves_no_o_cache():
+  """O_cache = O_dense - attention over the selected keys: with every key selected it vanishes."""
+  policy = SparVAR(decision=4, sparse=(6,), group=16, sink_scales=2, topk=1.0).bind(ScaleSchedule(PNS), 1)
+  keys = jax.random.split(jax.random.key(2), 3)
+  q = jax.random.normal(keys[0], (2, 16, 2, 16))
+  k, v = (jax.random.normal(kk, (2, 130, 2, 16)) for kk in keys[1:])
+  out, state = CS4AHooks('0', policy, PNS.index(4)).attend(q, k, v, mask=None, kv_len=30, scale=0.25,
+                                                          backend='xla', state={})
+  assert policy.top_count == 30
+  np.testing.assert_allclose(state['0/cache'], 0.0, atol=2e-6)
+  assert float(jnp.abs(out).max()) > 0.1
+
+
 class _nothing:
   def __enter__(self):
     return self
