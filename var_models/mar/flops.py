@@ -23,7 +23,7 @@ from var_models.mar.model import MAR, MARConfig, diffloss_net, init_params
 from var_models.mar.sampler import mask_schedule
 from var_models.tokenizers.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
 
-_KEY = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+KEY = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
 
 
 def sampling_flops(cfg: MARConfig, vae_cfg: AutoencoderKLConfig, *, num_iter: int = 64,
@@ -37,35 +37,39 @@ def sampling_flops(cfg: MARConfig, vae_cfg: AutoencoderKLConfig, *, num_iter: in
     def run(p, tokens, class_emb, keep):
       return model.apply({'params': p}, tokens, class_emb, keep,
                          method=lambda m, t, c, k: m.decode(m.encode(t, None, c, k), None, k))
-    return flops(run, params, _sds(rows, cfg.seq_len, cfg.token_embed_dim), _sds(rows, cfg.encoder_embed_dim),
+    return flops(run, params, sds(rows, cfg.seq_len, cfg.token_embed_dim), sds(rows, cfg.encoder_embed_dim),
                  jax.ShapeDtypeStruct((rows, cfg.buffer_size + known), jnp.int32))
 
   def head(n: int) -> float:
     net, diffusion = diffloss_net(cfg), create_diffusion(str(num_steps))
     return flops(lambda p, z, k: diffloss_sample(net, p, z, k, 1.0, 2.0, guided=guided, diffusion=diffusion),
-                 params['diffloss'], _sds(rows * n, cfg.decoder_embed_dim), _KEY)
+                 params['diffloss'], sds(rows * n, cfg.decoder_embed_dim), KEY)
 
   # The encoder's count is quadratic in its token count (Linears linear, attention quadratic) and
   # the head's linear in its rows, so a few traced sizes give every iteration's count exactly.
   sched = mask_schedule(cfg.seq_len, num_iter)
-  trans = _polynomial(transformer, (1, cfg.seq_len // 2, cfg.seq_len))
+  trans = polynomial(transformer, (1, cfg.seq_len // 2, cfg.seq_len))
   trans = float(sum(trans(cfg.seq_len - int(m)) for m in sched.masked))
-  heads = float(sum(_polynomial(head, (1, 2))(int(n)) for n in sched.n_pred))
-  latent = cfg.img_size // cfg.vae_stride
-  vae = AutoencoderKL(vae_cfg)
-  vae_params = jax.eval_shape(lambda k: vae.init(k, jnp.zeros((1, latent, latent, vae_cfg.embed_dim)),
-                                                 method=AutoencoderKL.decode)['params'], jax.random.key(0))
-  decode = flops(lambda p, x: vae.apply({'params': p}, x, method=AutoencoderKL.decode), vae_params,
-                 _sds(1, latent, latent, vae_cfg.embed_dim))
+  heads = float(sum(polynomial(head, (1, 2))(int(n)) for n in sched.n_pred))
+  decode = decode_flops(cfg, vae_cfg)
   return {'per_image': trans + heads + decode, 'per_image_without_decode': trans + heads,
           'transformer': trans, 'head': heads, 'decode': decode}
 
 
-def _sds(*shape: int) -> jax.ShapeDtypeStruct:
+def decode_flops(cfg: MARConfig, vae_cfg: AutoencoderKLConfig) -> float:
+  """FLOPs of the KL VAE decoding one image's latents."""
+  latent, vae = cfg.img_size // cfg.vae_stride, AutoencoderKL(vae_cfg)
+  params = jax.eval_shape(lambda k: vae.init(k, jnp.zeros((1, latent, latent, vae_cfg.embed_dim)),
+                                             method=AutoencoderKL.decode)['params'], jax.random.key(0))
+  return flops(lambda p, x: vae.apply({'params': p}, x, method=AutoencoderKL.decode), params,
+               sds(1, latent, latent, vae_cfg.embed_dim))
+
+
+def sds(*shape: int) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, jnp.float32)
 
 
-def _polynomial(count: Callable[[int], float], sizes: Sequence[int]) -> Callable[[int], float]:
+def polynomial(count: Callable[[int], float], sizes: Sequence[int]) -> Callable[[int], float]:
   """The polynomial of degree len(sizes) - 1 through count(size) at `sizes`."""
   coeffs = np.polyfit(np.asarray(sizes, np.float64), [count(n) for n in sizes], len(sizes) - 1)
   return lambda n: float(np.polyval(coeffs, n))
