@@ -148,29 +148,40 @@ def upsample(x: Array, src: int, dst: int, method: str) -> Array:
 
 
 class CS4AHooks(BlockHooks):
-  """CS4A in one block: at the decision scale ('decide') or at a sparse scale ('sparse')."""
+  """CS4A in one block, at the decision scale or at a sparse scale (`scale_idx`)."""
 
   def __init__(self, name: str, policy: 'SparVAR', scale_idx: int):
     self.name, self.p, self.k = name, policy, scale_idx
 
   def attend(self, q, k, v, *, mask, kv_len, scale, backend, state):
+    run = functools.partial(self._gathered, q, k, v, kv_len=kv_len, scale=scale, backend=backend)
+    s = self.p.patch_nums.index(self.p.decision)
+    return self._decide(q, k, v, kv_len, scale, run, state) if self.k == s else self._sparse(s, run, state)
+
+  def _gathered(self, q, k, v, top, *, kv_len, scale, backend):
+    """Attention over the sink and the keys top [B, H, G, k] of each query group."""
+    mask = attn_lib.GatheredKeys(with_sink(top, self.p.sink_len), self.p.group)
+    return attn_lib.attention(q, k, v, mask=mask, scale=scale, kv_len=kv_len, backend=backend)
+
+  def _decide(self, q, k, v, kv_len, scale, run, state):
+    """Dense attention; caches the top keys of each group and O_cache = dense - sparse."""
     p = self.p
-    s = p.patch_nums.index(p.decision)
-    if self.k == s:
-      out, sums = dense_with_column_sums(q, k, v, kv_len, scale, p.group)
-      top = lax.top_k(sums, p.top_count)[1]
-      sparse = attn_lib.attention(q, k, v, mask=attn_lib.GatheredKeys(with_sink(top, p.sink_len), p.group),
-                                  scale=scale, kv_len=kv_len, backend=backend)
-      return out, {**state, f'{self.name}/top': top,
-                   f'{self.name}/cache': (out.astype(jnp.float32) - sparse.astype(jnp.float32)).astype(q.dtype)}
-    top = state[f'{self.name}/top']
-    groups_k = -(-q.shape[1] // p.group)
-    mapped = jnp.asarray(key_map(p.patch_nums, s, self.k))[top[:, :, group_map(top.shape[2], groups_k)]]
-    out = attn_lib.attention(q, k, v, mask=attn_lib.GatheredKeys(with_sink(mapped, p.sink_len), p.group),
-                             scale=scale, kv_len=kv_len, backend=backend)
+    out, sums = dense_with_column_sums(q, k, v, kv_len, scale, p.group)
+    top = lax.top_k(sums, p.top_count)[1]
+    state = {**state, f'{self.name}/top': top}
     if p.cache:
-      out = (upsample(state[f'{self.name}/cache'], p.decision, p.patch_nums[self.k], p.cache_upsample)
-             + out.astype(jnp.float32)).astype(q.dtype)
+      residual = out.astype(jnp.float32) - run(top).astype(jnp.float32)
+      state[f'{self.name}/cache'] = residual.astype(q.dtype)
+    return out, state
+
+  def _sparse(self, s, run, state):
+    """The decision scale's keys mapped onto this scale, plus the upsampled O_cache."""
+    p, top = self.p, state[f'{self.name}/top']
+    groups_k = -(-p.patch_nums[self.k] ** 2 // p.group)
+    out = run(jnp.asarray(key_map(p.patch_nums, s, self.k))[top[:, :, group_map(top.shape[2], groups_k)]])
+    if p.cache:
+      cache = upsample(state[f'{self.name}/cache'], p.decision, p.patch_nums[self.k], p.cache_upsample)
+      out = (cache + out.astype(jnp.float32)).astype(out.dtype)
     return out, state
 
 

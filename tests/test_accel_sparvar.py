@@ -129,6 +129,15 @@ def test_selecting_every_key_at_the_decision_scale_leaves_no_o_cache():
   assert float(jnp.abs(out).max()) > 0.1
 
 
+def test_without_o_cache_the_decision_scale_keeps_only_the_top_keys():
+  policy = SparVAR(decision=4, sparse=(6,), group=16, sink_scales=2, cache=False).bind(ScaleSchedule(PNS), 1)
+  q, k, v = (jax.random.normal(kk, (2, n, 2, 16)) for kk, n in zip(jax.random.split(jax.random.key(3), 3),
+                                                                    (16, 130, 130)))
+  _, state = CS4AHooks('0', policy, PNS.index(4)).attend(q, k, v, mask=None, kv_len=30, scale=0.25,
+                                                        backend='xla', state={})
+  assert set(state) == {'0/top'}
+
+
 class _nothing:
   def __enter__(self):
     return self
