@@ -11,7 +11,6 @@ are masked (no padding copies); spare KV-buffer rows from kv_len on are never re
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Optional
@@ -23,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import dispatch, reference
-from pallas_kernels.gathered_attention import default_block_q
+from pallas_kernels.gathered_attention import GroupConfig, check_group_kernel, default_block_q
 from pallas_kernels.sparse_attention import DTYPES, LOG2E, _load_rows, _qk, _store_rows
 
 MOSAIC = ("group_column_sums has no Mosaic GPU kernel: not needed, the kernel (half the FLOPs "
@@ -31,16 +30,7 @@ MOSAIC = ("group_column_sums has no Mosaic GPU kernel: not needed, the kernel (h
           "attention; impl='auto' runs the Triton lowering on NVIDIA GPUs")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Config:
-  group: int
-  scale: float
-  kv_len: int
-  block_q: int
-  block_k: int
-
-
-def _kernel(q_ref, k_ref, lse_ref, o_ref, *, cfg: _Config):
+def _kernel(q_ref, k_ref, lse_ref, o_ref, *, cfg: GroupConfig):
   bq, bk = cfg.block_q, cfg.block_k
   lq = q_ref.shape[0]
   j, g = pl.program_id(0), pl.program_id(1)
@@ -63,7 +53,7 @@ def _kernel(q_ref, k_ref, lse_ref, o_ref, *, cfg: _Config):
   _store_rows(o_ref, j * bk, acc, cfg.kv_len)
 
 
-def _sums(q, k, lse, cfg: _Config, interpret: bool, num_warps: int, num_stages: int):
+def _sums(q, k, lse, cfg: GroupConfig, interpret: bool, num_warps: int, num_stages: int):
   b, lq, h, d = q.shape
   g = pl.cdiv(lq, cfg.group)
   bh = lambda i: (lax.div(i, h), lax.rem(i, h))
@@ -87,17 +77,12 @@ def _sums(q, k, lse, cfg: _Config, interpret: bool, num_warps: int, num_stages: 
 
 
 # ------------------------------------------------------------------------ public
-def _pow2(x: int) -> bool:
-  return x >= 16 and not x & (x - 1)
-
-
 def _check(q, k, lse, group: int, kv_len: int, block_q: int, block_k: int) -> None:
   if q.ndim != 4 or k.ndim != 4 or lse.ndim != 3:
     raise ValueError(f'expected q [B, Lq, H, D], k [B, Lk, H, D], lse [B, H, Lq]; got '
                      f'q {q.shape}, k {k.shape}, lse {lse.shape}')
-  (b, lq, h, d), lk = q.shape, k.shape[1]
-  if (k.shape[0], k.shape[2], k.shape[3]) != (b, h, d):
-    raise ValueError(f'q {q.shape} and k {k.shape} disagree in batch, heads or head dim')
+  b, lq, h, _ = q.shape
+  check_group_kernel(q, k, group, kv_len, block_q, block_k)
   if lse.shape != (b, h, lq):
     raise ValueError(f'lse {lse.shape} must be [B, H, Lq] = [{b}, {h}, {lq}] for q {q.shape}')
   if not q.dtype == k.dtype or q.dtype not in DTYPES:
@@ -105,14 +90,6 @@ def _check(q, k, lse, group: int, kv_len: int, block_q: int, block_k: int) -> No
                      f'{q.dtype}, {k.dtype}')
   if lse.dtype != jnp.float32:
     raise ValueError(f'lse must be float32 (as block_sparse_attention returns it), got {lse.dtype}')
-  if not _pow2(d):
-    raise ValueError(f'head dim must be a power of two >= 16, got {d} (q {q.shape})')
-  if not 1 <= kv_len <= lk:
-    raise ValueError(f'kv_len={kv_len} must be in [1, Lk = {lk}] (k {k.shape})')
-  if not _pow2(block_q) or group % block_q:
-    raise ValueError(f'block_q={block_q} must be a power of two >= 16 dividing group={group}')
-  if not _pow2(block_k):
-    raise ValueError(f'block_k={block_k} must be a power of two >= 16')
 
 
 def group_column_sums(q, k, lse, *, group: int, scale: Optional[float] = None,
@@ -142,6 +119,6 @@ def group_column_sums(q, k, lse, *, group: int, scale: Optional[float] = None,
   impl = dispatch.resolve(impl, MOSAIC)
   if impl == 'reference':
     return reference.group_column_sums(q, k, lse, group, scale, kv_len)
-  cfg = _Config(group, scale, kv_len, block_q, block_k)
+  cfg = GroupConfig(group, scale, kv_len, block_q, block_k)
   warps = (4 if block_q * block_k <= 64 * 64 else 8) if num_warps is None else num_warps
   return _sums(q, k, lse, cfg, impl == 'interpret', warps, num_stages)

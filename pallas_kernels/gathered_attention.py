@@ -21,8 +21,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import dispatch, reference
-from pallas_kernels.sparse_attention import (DTYPES, LOG2E, _load_rows, _pv, _qk, _row_spec,
-                                             _seq_spec, _store_rows)
+from pallas_kernels.sparse_attention import (DTYPES, LOG2E, _load_rows, _qk, _row_spec, _seq_spec,
+                                             _softmax_init, _softmax_update, _store_softmax)
 
 BLOCK_Q_CHOICES = (64, 32, 16)   # the default block_q: the largest dividing `group`
 MOSAIC = ("gathered_attention has no Mosaic GPU kernel: Hopper's TMA copies rectangular "
@@ -32,7 +32,8 @@ MOSAIC = ("gathered_attention has no Mosaic GPU kernel: Hopper's TMA copies rect
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class GroupConfig:
+  """Static settings of a per-query-group kernel (this one, `column_sums`)."""
   group: int
   scale: float
   kv_len: int
@@ -40,7 +41,7 @@ class _Config:
   block_k: int
 
 
-def _kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config):
+def _kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: GroupConfig):
   bq, bk = cfg.block_q, cfg.block_k
   lq, d = q_ref.shape
   n = idx_ref.shape[1]
@@ -51,7 +52,6 @@ def _kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config):
   cols = jnp.arange(d)
 
   def visit(t, carry):
-    acc, m, l = carry
     ids = plgpu.load(idx_ref.at[g, pl.ds(t * bk, bk)], mask=t * bk + jnp.arange(bk) < n,
                      other=-1)
     valid = (ids >= 0) & (ids < cfg.kv_len)
@@ -61,24 +61,13 @@ def _kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config):
     k = plgpu.load(k_ref.at[rows, cols[None, :]], mask=both, other=0)
     v = plgpu.load(v_ref.at[rows, cols[None, :]], mask=both, other=0)
     s = jnp.where(valid[None, :], _qk(q, k) * qk_scale, -jnp.inf)
-    m_new = jnp.maximum(m, s.max(-1))
-    # A row with no valid key yet keeps m = -inf; exponentiate against 0 then.
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m - m_use)
-    p = jnp.exp2(s - m_use[:, None])
-    acc = alpha[:, None] * acc + _pv(p.astype(v.dtype), v)
-    return acc, m_new, alpha * l + p.sum(-1)
+    return _softmax_update(carry, s, v, masked=True)
 
-  init = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
-          jnp.zeros((bq,), jnp.float32))
-  acc, m, l = lax.fori_loop(0, pl.cdiv(n, bk), visit, init)
-  empty = l == 0.0
-  l_safe = jnp.where(empty, 1.0, l)
-  _store_rows(o_ref, i * bq, (acc / l_safe[:, None]).astype(o_ref.dtype), lq)
-  _store_rows(lse_ref, i * bq, jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) / LOG2E), lq)
+  carry = lax.fori_loop(0, pl.cdiv(n, bk), visit, _softmax_init(q))
+  _store_softmax(o_ref, lse_ref, i * bq, carry, lq)
 
 
-def _forward(q, k, v, idx, cfg: _Config, interpret: bool, num_warps: int, num_stages: int):
+def _forward(q, k, v, idx, cfg: GroupConfig, interpret: bool, num_warps: int, num_stages: int):
   b, lq, h, _ = q.shape
   g, n = idx.shape[2:]
   return pl.pallas_call(
@@ -113,14 +102,11 @@ def _check(q, k, v, idx, group: int, kv_len: int, block_q: int, block_k: int) ->
   if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or idx.ndim != 4:
     raise ValueError(f'expected q [B, Lq, H, D], k and v [B, Lk, H, D], idx [B, H, G, n]; got '
                      f'q {q.shape}, k {k.shape}, v {v.shape}, idx {idx.shape}')
-  (b, lq, h, d), lk = q.shape, k.shape[1]
-  if (k.shape[0], k.shape[2], k.shape[3]) != (b, h, d):
-    raise ValueError(f'q {q.shape} and k {k.shape} disagree in batch, heads or head dim')
+  b, lq, h, _ = q.shape
   if not q.dtype == k.dtype == v.dtype or q.dtype not in DTYPES:
     raise ValueError(f'q, k, v must share one of float32/bfloat16/float16, got '
                      f'{q.dtype}, {k.dtype}, {v.dtype}')
-  if not _pow2(d):
-    raise ValueError(f'head dim must be a power of two >= 16, got {d} (q {q.shape})')
+  check_group_kernel(q, k, group, kv_len, block_q, block_k)
   if not jnp.issubdtype(idx.dtype, jnp.integer):
     raise ValueError(f'idx must be integers, got {idx.dtype}')
   if group < 1 or idx.shape[:2] != (b, h) or idx.shape[2] != pl.cdiv(lq, group):
@@ -128,6 +114,16 @@ def _check(q, k, v, idx, group: int, kv_len: int, block_q: int, block_k: int) ->
                      f'{pl.cdiv(lq, max(group, 1))}, n] for q {q.shape} and group={group}')
   if idx.shape[3] < 1:
     raise ValueError(f'idx {idx.shape} lists no key (n = 0)')
+
+
+def check_group_kernel(q, k, group: int, kv_len: int, block_q: int, block_k: int) -> None:
+  """What every per-query-group kernel (this one, `column_sums`) needs of q [B, Lq, H, D], k
+  [B, Lk, H, D], the valid key count and its tiles."""
+  (b, _, h, d), lk = q.shape, k.shape[1]
+  if (k.shape[0], k.shape[2], k.shape[3]) != (b, h, d):
+    raise ValueError(f'q {q.shape} and k {k.shape} disagree in batch, heads or head dim')
+  if not _pow2(d):
+    raise ValueError(f'head dim must be a power of two >= 16, got {d} (q {q.shape})')
   if not 1 <= kv_len <= lk:
     raise ValueError(f'kv_len={kv_len} must be in [1, Lk = {lk}] (k {k.shape})')
   if not _pow2(block_q) or group % block_q:
@@ -165,7 +161,7 @@ def gathered_attention(q, k, v, idx, *, group: int, scale: Optional[float] = Non
   if impl == 'reference':
     out, lse = reference.gathered_attention(q, k, v, idx, group, scale, kv_len)
   else:
-    cfg = _Config(group, scale, kv_len, block_q, block_k)
+    cfg = GroupConfig(group, scale, kv_len, block_q, block_k)
     warps = (4 if block_q <= 64 else 8) if num_warps is None else num_warps
     out, lse = _forward(q, k, v, idx, cfg, impl == 'interpret', warps, num_stages)
   return (out, lse) if return_lse else out

@@ -76,6 +76,35 @@ def _tn(a, b):      # [m, n] x [m, D] -> [n, D]
   return _dot(a, b, ((0,), (0,)))
 
 
+def _softmax_init(q):
+  """(acc, running max, running sum) of the online softmax of q's [bq, D] rows."""
+  bq = q.shape[0]
+  return (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
+          jnp.zeros((bq,), jnp.float32))
+
+
+def _softmax_update(carry, s, v, masked: bool):
+  """One tile of the base-2 online softmax: logits s [bq, n] (log2 scale) over values v [n, D].
+  `masked`: s may hold -inf, so a row with no visible key yet keeps m = -inf and is
+  exponentiated against 0."""
+  acc, m, l = carry
+  m_new = jnp.maximum(m, s.max(-1))
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+  alpha = jnp.exp2(m - m_use)
+  p = jnp.exp2(s - m_use[:, None])
+  return alpha[:, None] * acc + _pv(p.astype(v.dtype), v), m_new, alpha * l + p.sum(-1)
+
+
+def _store_softmax(o_ref, lse_ref, start, carry, limit):
+  """The normalised output and the natural-log lse of rows start.. (rows past `limit` not
+  stored); a row that saw no key gets 0 and -inf."""
+  acc, m, l = carry
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  _store_rows(o_ref, start, (acc / l_safe[:, None]).astype(o_ref.dtype), limit)
+  _store_rows(lse_ref, start, jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) / LOG2E), limit)
+
+
 # ----------------------------------------------------------------------- forward
 def _fwd_kernel(ids_ref, nfull_ref, count_ref, mids_ref, masks_ref, q_ref, k_ref, v_ref,
                 o_ref, lse_ref, *, cfg: _Config, lq, lk, bq, bk, per_head):
@@ -85,7 +114,6 @@ def _fwd_kernel(ids_ref, nfull_ref, count_ref, mids_ref, masks_ref, q_ref, k_ref
   qk_scale = cfg.scale * LOG2E
 
   def visit(t, carry, partial):
-    acc, m, l = carry
     j = ids_ref[hl, u, t]
     if partial or lk < bk:
       k = _load_rows(k_ref, j * bk, bk, lk)
@@ -95,23 +123,12 @@ def _fwd_kernel(ids_ref, nfull_ref, count_ref, mids_ref, masks_ref, q_ref, k_ref
     s = _qk(q, k) * qk_scale
     if partial:
       s = jnp.where(masks_ref[mids_ref[hl, u, t]] != 0, s, -jnp.inf)
-    m_new = jnp.maximum(m, s.max(-1))
-    # A row with no visible key yet keeps m = -inf; exponentiate against 0 then.
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if partial else m_new
-    alpha = jnp.exp2(m - m_use)
-    p = jnp.exp2(s - m_use[:, None])
-    acc = alpha[:, None] * acc + _pv(p.astype(v.dtype), v)
-    return acc, m_new, alpha * l + p.sum(-1)
+    return _softmax_update(carry, s, v, masked=partial)
 
-  init = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
-          jnp.zeros((bq,), jnp.float32))
   n_full, count = nfull_ref[hl, u], count_ref[hl, u]
-  carry = lax.fori_loop(0, n_full, functools.partial(visit, partial=False), init)
-  acc, m, l = lax.fori_loop(n_full, count, functools.partial(visit, partial=True), carry)
-  empty = l == 0.0
-  l_safe = jnp.where(empty, 1.0, l)
-  _store_rows(o_ref, u * bq, (acc / l_safe[:, None]).astype(o_ref.dtype), lq)
-  _store_rows(lse_ref, u * bq, jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) / LOG2E), lq)
+  carry = lax.fori_loop(0, n_full, functools.partial(visit, partial=False), _softmax_init(q))
+  carry = lax.fori_loop(n_full, count, functools.partial(visit, partial=True), carry)
+  _store_softmax(o_ref, lse_ref, u * bq, carry, lq)
 
 
 def _layout_arrays(layout: BlockLayout, transposed: bool):
