@@ -44,6 +44,7 @@ import numpy as np
 from jax import lax
 
 import pallas_kernels as pk
+from pallas_kernels import reference
 from accel.presets import Presets
 from var_models.nn import attention as attn_lib
 from var_models.nn.blocks import BlockHooks
@@ -131,12 +132,7 @@ def dense_with_column_sums(q: Array, k: Array, v: Array, kv_len: int, scale: flo
     out, lse = pk.block_sparse_attention(q, k[:, :end], v[:, :end], layout, scale=scale,
                                          return_lse=True)
     return out, pk.group_column_sums(q, k, lse, group=group, scale=scale, kv_len=kv_len)
-  s = jnp.einsum('bqhd,bkhd->bhqk', q, k[:, :kv_len], preferred_element_type=jnp.float32) * scale
-  p = jax.nn.softmax(s, axis=-1)
-  out = jnp.einsum('bhqk,bkhd->bqhd', p.astype(v.dtype), v[:, :kv_len],
-                   preferred_element_type=jnp.float32).astype(q.dtype)
-  member = (np.arange(lq)[None] // group == np.arange(-(-lq // group))[:, None]).astype(np.float32)
-  return out, jnp.einsum('gq,bhqk->bhgk', member, p)
+  return reference.dense_column_sums(q, k, v, kv_len, scale, group)
 
 
 def upsample(x: Array, src: int, dst: int, method: str) -> Array:

@@ -444,18 +444,6 @@ def bench_gathered(args, ceil):
 
 
 # -------------------------------------------------------------------------- (e)
-def _jnp_dense_with_column_sums(q, k, v, kv_len, scale, group):
-  """accel.sparvar.dense_with_column_sums as it was before the kernels (plain jnp): the
-  [B, H, Lq, kv_len] float32 logits and probabilities, per-group sums by a 0/1 matrix."""
-  lq = q.shape[1]
-  s = jnp.einsum('bqhd,bkhd->bhqk', q, k[:, :kv_len], preferred_element_type=jnp.float32) * scale
-  p = jax.nn.softmax(s, axis=-1)
-  out = jnp.einsum('bhqk,bkhd->bqhd', p.astype(v.dtype), v[:, :kv_len],
-                   preferred_element_type=jnp.float32).astype(q.dtype)
-  member = (np.arange(lq)[None] // group == np.arange(-(-lq // group))[:, None]).astype(np.float32)
-  return out, jnp.einsum('gq,bhqk->bhgk', member, p)
-
-
 def bench_column_sums(args, ceil):
   smoke = args.smoke
   # Infinity-2B 1024 px, decision scale 40x40: its 1600 queries over the 4121 keys up to it,
@@ -495,7 +483,7 @@ def bench_column_sums(args, ceil):
   dense_sets = [(q, k[:, :kv_len], v[:, :kv_len]) for q, k, v in sets]
   # name -> (fn, its input sets)
   variants = {'(1) plain jnp (softmax, P V, group sums by einsum)': (
-      lambda q, k, v: _jnp_dense_with_column_sums(q, k, v, kv_len, scale, group), sets)}
+      lambda q, k, v: reference.dense_column_sums(q, k, v, kv_len, scale, group), sets)}
   for impl in flash_impls:
     variants[f'(2) flash fwd + lse, {impl}'] = (flash(impl), sets)
   for bk, w in tilings:
@@ -507,7 +495,7 @@ def bench_column_sums(args, ceil):
   # Checks against float32 XLA on the same bf16 inputs: out, lse and the sums.
   q, k, v = sets[0]
   f32 = [q.astype(jnp.float32)] + [a[:, :kv_len].astype(jnp.float32) for a in (k, v)]
-  want = dict(zip(('out', 'sums'), _jnp_dense_with_column_sums(*f32, kv_len, scale, group)))
+  want = dict(zip(('out', 'sums'), reference.dense_column_sums(*f32, kv_len, scale, group)))
   want['lse'] = jax.nn.logsumexp(jnp.einsum('bqhd,bkhd->bhqk', f32[0], f32[1]) * scale, axis=-1)
   del f32
   lse_err = lambda lse: f'lse max abs {float(jnp.max(jnp.abs(lse - want["lse"]))):.1e}'

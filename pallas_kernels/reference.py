@@ -92,3 +92,17 @@ def pts_scores(x):
   """FastVAR's pivotal-token score ||x_i - mean_j x_j||^2: x [B, N, C] -> [B, N] float32."""
   x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
   return jnp.sum(jnp.square(x - x.mean(1, keepdims=True)), -1)
+
+
+def dense_column_sums(q, k, v, kv_len: int, scale: float, group: int):
+  """Dense attention over the first kv_len keys and the column sums of its probabilities per
+  query group (queries [g * group, (g + 1) * group)), materialising the [B, H, Lq, kv_len]
+  float32 probabilities: q [B, Lq, H, D], k and v [B, >= kv_len, H, D] -> (out [B, Lq, H, D]
+  in q's dtype, sums [B, H, ceil(Lq / group), kv_len] float32)."""
+  lq = q.shape[1]
+  s = jnp.einsum('bqhd,bkhd->bhqk', q, k[:, :kv_len], preferred_element_type=jnp.float32) * scale
+  p = jax.nn.softmax(s, axis=-1)
+  out = jnp.einsum('bhqk,bkhd->bqhd', p.astype(v.dtype), v[:, :kv_len],
+                   preferred_element_type=jnp.float32).astype(q.dtype)
+  member = (jnp.arange(lq)[None] // group == jnp.arange(-(-lq // group))[:, None]).astype(jnp.float32)
+  return out, jnp.einsum('gq,bhqk->bhgk', member, p)
