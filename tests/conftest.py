@@ -1,6 +1,7 @@
 """Shared tiny VAR + VQVAE fixtures (CPU, float32)."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig
@@ -23,3 +24,15 @@ def tiny_var():
   params['var'] = jax.tree_util.tree_map(
       lambda p: p + 0.05 * jax.random.normal(jax.random.key(p.size), p.shape), params['var'])
   return var_cfg, vq_cfg, params
+
+
+@pytest.fixture(scope='session')
+def sample_tiny(tiny_var):
+  """sample(policy=None, var_cfg=None) -> (images, aux): the tiny VAR's sampler (its config, or
+  `var_cfg`) with `policy` on labels 1, 7, 3, key 0, cfg 1.5 and no top-k / top-p filter."""
+  def sample(policy=None, var_cfg=None):
+    from var_models.var.sampler import make_sampler
+    config, vq_cfg, params = tiny_var
+    return make_sampler(var_cfg or config, vq_cfg, policy)(
+        params, jax.random.key(0), np.array([1, 7, 3], np.int32), cfg=1.5, top_k=0, top_p=1.0)
+  return sample

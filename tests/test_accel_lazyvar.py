@@ -67,24 +67,16 @@ def test_a_group_that_does_not_reach_the_last_scale_is_an_error():
     LazyVAR(start=9, retention=(0.2, 0.1)).bind(INFINITY_1024, 4)
 
 
-LABELS = np.array([1, 7, 3], np.int32)
 
-
-def _sample(var_cfg, vq_cfg, params, policy=None):
-  from var_models.var.sampler import make_sampler
-  return make_sampler(var_cfg, vq_cfg, policy)(params, jax.random.key(0), LABELS, cfg=1.5, top_k=0, top_p=1.0)
-
-
-def test_nothing_pruned_in_steps_of_one_scale_is_the_baseline_bit_for_bit(tiny_var):
-  var_cfg, vq_cfg, params = tiny_var
-  images, aux = _sample(var_cfg, vq_cfg, params)
-  lazy, lazy_aux = _sample(var_cfg, vq_cfg, params, LazyVAR(start=2, retention=(1.0, 1.0), pgd=False))
+def test_nothing_pruned_in_steps_of_one_scale_is_the_baseline_bit_for_bit(sample_tiny):
+  images, aux = sample_tiny()
+  lazy, lazy_aux = sample_tiny(LazyVAR(start=2, retention=(1.0, 1.0), pgd=False))
   np.testing.assert_array_equal(lazy, images)
   for a, b in zip(lazy_aux['indices'], aux['indices']):
     np.testing.assert_array_equal(a, b)
 
 
-def test_pruned_tokens_have_no_query_and_no_keys_in_any_layer(tiny_var):
+def test_pruned_tokens_have_no_query_and_no_keys_in_any_layer(tiny_var, sample_tiny):
   """Every attention call of the group step: 5 + 4 kept queries (scales 2 and 3 of 9 and 16
   tokens at 50 % and 25 %) over the 1 + 4 cached keys and those 9, under the block-causal
   mask of the kept tokens' own scales."""
@@ -97,9 +89,8 @@ def test_pruned_tokens_have_no_query_and_no_keys_in_any_layer(tiny_var):
     return attention._BACKENDS['xla'](q, k, v, mask, scale, kv_len)
 
   attention.register_backend('record_lazyvar', record)
-  var_cfg, vq_cfg, params = tiny_var
-  var_cfg = dataclasses.replace(var_cfg, attn_backend='record_lazyvar')
-  _, aux = _sample(var_cfg, vq_cfg, params, LazyVAR(start=2, retention=(0.5, 0.25)))
+  var_cfg = dataclasses.replace(tiny_var[0], attn_backend='record_lazyvar')
+  _, aux = sample_tiny(LazyVAR(start=2, retention=(0.5, 0.25)), var_cfg)
   assert [c[:2] for c in calls] == [(1, 1)] * 2 + [(4, 5)] * 2 + [(9, 14)] * 2
   mask = calls[-1][2]
   np.testing.assert_array_equal(mask.q_levels, [2] * 5 + [3] * 4)
@@ -124,13 +115,12 @@ def test_the_group_takes_disjoint_positions_by_the_index_before_it():
   assert sel.shape == (2, 9) and policy.input_counts(step) == (5, 4)
 
 
-def test_lazyvar_composes_with_fastvar_on_other_scales(tiny_var):
+def test_lazyvar_composes_with_fastvar_on_other_scales(sample_tiny):
   """FastVAR prunes scale 2 inside its blocks (cache at scale 1), LazyVAR drops half the input
   tokens of scale 3: one sampler, each method's tokens where it acts."""
   from accel import FastVAR, compose
-  var_cfg, vq_cfg, params = tiny_var
   policy = compose(FastVAR(ratios=((3, 0.5),), cache_at=2), LazyVAR(start=3, retention=(0.5,), pgd=False))
-  images, aux = _sample(var_cfg, vq_cfg, params, policy)
+  images, aux = sample_tiny(policy)
   assert np.isfinite(np.asarray(images)).all()
   assert (np.asarray(aux['indices'][2]) >= 0).all()                    # FastVAR restores every position
   assert ((np.asarray(aux['indices'][3]) >= 0).sum(axis=1) == 8).all()  # LazyVAR forwards 8 of 16

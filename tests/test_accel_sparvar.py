@@ -1,5 +1,6 @@
 """SparVAR: appendix A.2's index mapping, CS4A against a NumPy transcription of the paper's
 equations, CSLA through the sampler, and settings checked before anything compiles."""
+import contextlib
 import dataclasses
 
 import jax
@@ -103,7 +104,7 @@ def test_cs4a_hooks_compute_the_papers_equations(impl):
   keys = jax.random.split(jax.random.key(1), 6)
   q_s, q_k = (jax.random.normal(keys[i], (1, n, 2, 16)) for i, n in ((0, 16), (1, 64)))
   k_buf, v_buf = (jax.random.normal(keys[i], (1, cap, 2, 16)) for i in (2, 3))
-  with pk.override(impl) if impl != 'reference' else _nothing():
+  with pk.override(impl) if impl != 'reference' else contextlib.nullcontext():
     out_s, state = CS4AHooks('0', policy, s).attend(q_s, k_buf, v_buf, mask=None, kv_len=30, scale=0.25,
                                                     backend='xla', state={})
     out_k, _ = CS4AHooks('0', policy, kk).attend(q_k, k_buf, v_buf, mask=None, kv_len=cap, scale=0.25,
@@ -138,57 +139,39 @@ def test_without_o_cache_the_decision_scale_keeps_only_the_top_keys():
   assert set(state) == {'0/top'}
 
 
-class _nothing:
-  def __enter__(self):
-    return self
 
-  def __exit__(self, *exc):
-    return False
-
-
-LABELS = np.array([1, 7, 3], np.int32)
-
-
-def _sample(var_cfg, vq_cfg, params, policy=None):
-  from var_models.var.sampler import make_sampler
-  return make_sampler(var_cfg, vq_cfg, policy)(params, jax.random.key(0), LABELS, cfg=1.5, top_k=0, top_p=1.0)
-
-
-def test_csla_whose_windows_cover_every_key_reproduces_the_baseline(tiny_var):
-  var_cfg, vq_cfg, params = tiny_var
-  images, aux = _sample(var_cfg, vq_cfg, params)
+def test_csla_whose_windows_cover_every_key_reproduces_the_baseline(sample_tiny):
+  images, aux = sample_tiny()
   covering = SparVAR(decision=3, sparse=(4,), group=16, sink_scales=1, cs4a_layers=0.0, windows=(9, 9, 9),
                      block=16)
   with pk.override('interpret'):
-    sparse, sparse_aux = _sample(var_cfg, vq_cfg, params, covering)
+    sparse, sparse_aux = sample_tiny(covering)
   for a, b in zip(sparse_aux['indices'], aux['indices']):
     np.testing.assert_array_equal(a, b)
   np.testing.assert_allclose(sparse, images, atol=1e-5)
 
 
-def test_sparvar_sampler_keeps_the_scales_up_to_the_decision_scale_and_changes_the_sparse_ones(tiny_var):
+def test_sparvar_sampler_keeps_the_scales_up_to_the_decision_scale_and_changes_the_sparse_ones(sample_tiny):
   """CS4A in block 0 and CSLA in block 1 at the last scale, on the interpret-mode kernels."""
-  var_cfg, vq_cfg, params = tiny_var
-  _, aux = _sample(var_cfg, vq_cfg, params)
+  _, aux = sample_tiny()
   policy = SparVAR(decision=3, sparse=(4,), group=16, sink_scales=1, topk=0.3, cs4a_layers=0.5,
                    windows=(1, 1, 3), block=16)
   with pk.override('interpret'):
-    images, sparse_aux = _sample(var_cfg, vq_cfg, params, policy)
+    images, sparse_aux = sample_tiny(policy)
   assert np.isfinite(np.asarray(images)).all()
   for si in range(3):
     np.testing.assert_array_equal(sparse_aux['indices'][si], aux['indices'][si])
   assert (np.asarray(sparse_aux['indices'][3]) != np.asarray(aux['indices'][3])).any()
 
 
-def test_sparvar_composes_with_fastvars_trailing_skip(tiny_var):
+def test_sparvar_composes_with_fastvars_trailing_skip(sample_tiny):
   """The skip-2 setting in small: FastVAR skips the last scale, SparVAR sparsifies the one before."""
   from accel import FastVAR, compose
-  var_cfg, vq_cfg, params = tiny_var
   sparvar = SparVAR(decision=2, sparse=(3,), group=16, sink_scales=1, windows=(1, 3), block=16)
-  _, aux = _sample(var_cfg, vq_cfg, params)
+  _, aux = sample_tiny()
   with pk.override('interpret'):
-    images, skip_aux = _sample(var_cfg, vq_cfg, params, compose(FastVAR(ratios=((4, 1.0),)), sparvar))
-    _, sparse_aux = _sample(var_cfg, vq_cfg, params, sparvar)
+    images, skip_aux = sample_tiny(compose(FastVAR(ratios=((4, 1.0),)), sparvar))
+    _, sparse_aux = sample_tiny(sparvar)
   assert np.isfinite(np.asarray(images)).all() and len(skip_aux['indices']) == 3
   for si in range(2):
     np.testing.assert_array_equal(skip_aux['indices'][si], aux['indices'][si])
@@ -197,7 +180,7 @@ def test_sparvar_composes_with_fastvars_trailing_skip(tiny_var):
   assert (np.asarray(skip_aux['indices'][2]) != np.asarray(aux['indices'][2])).any()
 
 
-def test_the_sparse_attention_calls_read_the_kv_buffer_in_place(tiny_var):
+def test_the_sparse_attention_calls_read_the_kv_buffer_in_place(sample_tiny):
   """Every sparse call gets the whole cache buffer (capacity 30) with its valid length, no copy."""
   from var_models.nn import attention
   calls = []
@@ -207,12 +190,11 @@ def test_the_sparse_attention_calls_read_the_kv_buffer_in_place(tiny_var):
     calls.append((type(mask).__name__, q.shape[1], k.shape[1], kv_len))
     return real(q, k, v, mask, scale, kv_len)
 
-  var_cfg, vq_cfg, params = tiny_var
   policy = SparVAR(decision=3, sparse=(4,), group=16, sink_scales=1, cs4a_layers=0.5, windows=(1, 1, 3),
                    block=16)
   attention._sparse = record
   try:
-    _sample(var_cfg, vq_cfg, params, policy)
+    sample_tiny(policy)
   finally:
     attention._sparse = real
   assert calls == [('GatheredKeys', 9, 30, 14), ('GatheredKeys', 16, 30, None), ('BlockSparse', 16, 30, None)]
