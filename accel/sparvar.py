@@ -9,7 +9,7 @@ side. Every scale up to the decision scale S runs dense attention in every block
 
   - CS4A at S: dense attention P = softmax(q k^T); per query group of C = `group` consecutive
     queries the column sums of P over the group, and the top k of them, k = int(topk * N_<=S)
-    keys among the N_<=S keys up to S; the *selected* set is the sink (every token of the first
+    keys among the N_<=S keys up to S (`pk.top_k_indices`: lax.top_k's set, in index order); the *selected* set is the sink (every token of the first
     `sink_scales` scales) united with them, deduplicated (a top-k key inside the sink becomes a
     padding entry: one static count, sink + k). The block caches its top-k indices and
     O_cache = O_dense - attention renormalised over the selected set, per block and head.
@@ -41,7 +41,6 @@ from typing import ClassVar, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 import pallas_kernels as pk
 from pallas_kernels import reference
@@ -107,9 +106,10 @@ def group_map(groups_s: int, groups_k: int) -> np.ndarray:
 
 def with_sink(top: Array, sink: int) -> Array:
   """The sink's keys [0, sink) united with top [B, H, G, k] (distinct keys) -> [B, H, G, sink + k]
-  int32, sorted, a top key inside the sink turned into padding (-1)."""
+  int32: the sink first, then top with its keys inside the sink turned into padding (-1). The
+  kernel takes a list in any order, so nothing is sorted."""
   base = jnp.broadcast_to(jnp.arange(sink, dtype=jnp.int32), top.shape[:3] + (sink,))
-  return jnp.sort(jnp.concatenate([base, jnp.where(top < sink, -1, top)], -1), axis=-1)
+  return jnp.concatenate([base, jnp.where(top < sink, -1, top).astype(jnp.int32)], -1)
 
 
 def dense_with_column_sums(q: Array, k: Array, v: Array, kv_len: int, scale: float, group: int):
@@ -135,12 +135,41 @@ def dense_with_column_sums(q: Array, k: Array, v: Array, kv_len: int, scale: flo
   return reference.dense_column_sums(q, k, v, kv_len, scale, group)
 
 
-def upsample(x: Array, src: int, dst: int, method: str) -> Array:
-  """x [B, src * src, H, D] on its grid -> [B, dst * dst, H, D]."""
-  b, _, h, d = x.shape
-  grid = x.reshape(b, src, src, h * d).astype(jnp.float32)
-  out = jax.image.resize(grid, (b, dst, dst, h * d), method=method, antialias=False)
-  return out.reshape(b, dst * dst, h, d)
+def upsample_taps(src: int, dst: int, method: str) -> tuple[np.ndarray, np.ndarray]:
+  """Resampling a src x src grid onto dst x dst (dst >= src) as taps: (rows [dst * dst, T] int32,
+  weights [dst * dst, T] float32) of the source grid's flat positions, T = 4 for 'linear'
+  (bilinear, half-pixel centres, edges clamped: jax.image.resize's 'linear' without antialias)
+  and 1 for 'nearest' (source pixel floor((i + 0.5) src / dst))."""
+  centre = (np.arange(dst) + 0.5) * src / dst
+  if method == 'nearest':
+    i = np.minimum(np.floor(centre), src - 1).astype(np.int64)
+    return (i[:, None] * src + i[None, :]).reshape(-1, 1).astype(np.int32), np.ones((dst * dst, 1), np.float32)
+  lo = np.floor(centre - 0.5)
+  frac = centre - 0.5 - lo
+  taps = np.clip(np.stack([lo, lo + 1], -1), 0, src - 1).astype(np.int64)   # [dst, 2]
+  w = np.stack([1 - frac, frac], -1)                                         # [dst, 2]
+  rows = taps[:, None, :, None] * src + taps[None, :, None, :]               # [dst, dst, 2, 2]
+  weights = w[:, None, :, None] * w[None, :, None, :]
+  return rows.reshape(dst * dst, 4).astype(np.int32), weights.reshape(dst * dst, 4).astype(np.float32)
+
+
+def add_upsampled(x: Array, cache: Array, src: int, dst: int, method: str) -> Array:
+  """x [B, dst * dst, H, D] + cache [B, src * src, H, D] resampled onto x's grid, summed in float32,
+  in x's dtype: static taps, one gather-and-add that XLA fuses (no float32 grid in memory)."""
+  rows, weights = upsample_taps(src, dst, method)
+  acc = x.astype(jnp.float32)
+  for t in range(rows.shape[1]):
+    acc = acc + jnp.asarray(weights[:, t])[None, :, None, None] * cache[:, rows[:, t]].astype(jnp.float32)
+  return acc.astype(x.dtype)
+
+
+def check_whole_scale(q: Array, side: int) -> None:
+  """SparVAR's query groups, key mapping and CSLA tiles are laid out on a whole scale."""
+  if q.shape[1] != side * side:
+    raise ValueError(f'SparVAR: the {side}x{side} scale\'s attention got {q.shape[1]} queries, not its '
+                     f'{side * side} tokens: a policy composed with SparVAR forwards only some of them '
+                     "(FastVAR's pivotal tokens, LazyVAR's kept tokens), and CS4A and CSLA need the whole "
+                     "scale; compose SparVAR with trailing skips only ('fastvar:skip2+sparvar:skip2')")
 
 
 class CS4AHooks(BlockHooks):
@@ -150,6 +179,7 @@ class CS4AHooks(BlockHooks):
     self.name, self.p, self.k = name, policy, scale_idx
 
   def attend(self, q, k, v, *, mask, kv_len, scale, backend, state):
+    check_whole_scale(q, self.p.patch_nums[self.k])
     run = functools.partial(self._gathered, q, k, v, kv_len=kv_len, scale=scale, backend=backend)
     s = self.p.patch_nums.index(self.p.decision)
     return self._decide(q, k, v, kv_len, scale, run, state) if self.k == s else self._sparse(s, run, state)
@@ -163,7 +193,7 @@ class CS4AHooks(BlockHooks):
     """Dense attention; caches the top keys of each group and O_cache = dense - sparse."""
     p = self.p
     out, sums = dense_with_column_sums(q, k, v, kv_len, scale, p.group)
-    top = lax.top_k(sums, p.top_count)[1]
+    top = pk.top_k_indices(sums, p.top_count)
     state = {**state, f'{self.name}/top': top}
     if p.cache:
       residual = out.astype(jnp.float32) - run(top).astype(jnp.float32)
@@ -176,18 +206,19 @@ class CS4AHooks(BlockHooks):
     groups_k = -(-p.patch_nums[self.k] ** 2 // p.group)
     out = run(jnp.asarray(key_map(p.patch_nums, s, self.k))[top[:, :, group_map(top.shape[2], groups_k)]])
     if p.cache:
-      cache = upsample(state[f'{self.name}/cache'], p.decision, p.patch_nums[self.k], p.cache_upsample)
-      out = (cache + out.astype(jnp.float32)).astype(out.dtype)
+      out = add_upsampled(out, state[f'{self.name}/cache'], p.decision, p.patch_nums[self.k],
+                          p.cache_upsample)
     return out, state
 
 
 class CSLAHooks(BlockHooks):
   """CSLA in one block at one sparse scale: the static layout, through the block-sparse kernel."""
 
-  def __init__(self, layout):
-    self.mask = attn_lib.BlockSparse(layout)
+  def __init__(self, layout, side: int):
+    self.mask, self.side = attn_lib.BlockSparse(layout), side
 
   def attend(self, q, k, v, *, mask, kv_len, scale, backend, state):
+    check_whole_scale(q, self.side)
     return attn_lib.attention(q, k, v, mask=self.mask, scale=scale, kv_len=kv_len, backend=backend), state
 
 
@@ -271,13 +302,16 @@ class SparVAR(Presets, ScalePolicy):
     return int(round(self.cs4a_layers * depth))
 
   def init_state(self, sched: ScaleSchedule, batch: int) -> dict:
-    """Per CS4A block, from the decision scale on: 'BLOCK/top' [B, H, G_S, k] int32 and
+    """Per CS4A block, from the decision scale on: 'BLOCK/top' [B, H, G_S, k] int32 (ascending) and
     'BLOCK/cache' [B, N_S, H, D] (O_cache)."""
     return {}
 
   def block_hooks(self, step_idx: int, step: Step, depth: int):
     if self.patch_nums is None:
       raise ValueError('SparVAR.block_hooks: bind the policy to a schedule first (make_sampler does)')
+    if len(step.scales) != 1:
+      raise ValueError(f'SparVAR: step {step} runs scales {step.scales} as one (parallel decoding, '
+                       "LazyVAR's group): SparVAR needs one scale per step")
     (si,) = step.scales
     side, n_cs4a = self.patch_nums[si], self.cs4a_count(depth)
     if side == self.decision:
@@ -285,5 +319,5 @@ class SparVAR(Presets, ScalePolicy):
     if side not in self.sparse:
       return None
     csla = CSLAHooks(_csla(self.patch_nums, si, self.sink_scales, self.windows, self.point_windows,
-                           self.block))
+                           self.block), side)
     return [CS4AHooks(str(i), self, si) if i < n_cs4a else csla for i in range(depth)]

@@ -26,11 +26,15 @@
     dense flash forward with lse, the column-sum kernel given that lse (block_k /
     num_warps variants) and both together, against cuDNN dense attention on the
     same q, k, v, with the kernel's fraction of its floor.
+(f) Top-k selection (SparVAR's CS4A: the 824 of 4121 keys with the largest column sums,
+    per (batch row, head, query group) of the Infinity-2B and -8B decision scales):
+    `pk.top_k_indices` (a set, in index order) against lax.top_k (XLA sorts each row),
+    exact set equality, bandwidth against the device copy.
 
 Every kernel is first checked against a float32 XLA computation on the same
 bf16 inputs (relative L2 error). Times: medians over repetitions of many
 back-to-back calls (inputs rotated beyond L2) after warm-up; compile apart.
-Usage (GPU): PYTHONPATH=. python3 benchmarks/kernels.py [--only a,b,c,d,e]
+Usage (GPU): PYTHONPATH=. python3 benchmarks/kernels.py [--only a,b,c,d,e,f]
 CPU smoke run of the script itself (tiny shapes, interpret mode): --smoke
 """
 from __future__ import annotations
@@ -547,9 +551,31 @@ def bench_column_sums(args, ceil):
          'fraction of floor', 'error vs float32 XLA', 'compile s'], rows)
 
 
+# -------------------------------------------------------------------------- (f)
+def bench_top_k(args, ceil):
+  impl = 'interpret' if args.smoke else 'triton'
+  shapes = [(1, 2, 2, 300, 60)] if args.smoke else [(2, 16, 9, 4121, 824), (2, 28, 9, 4121, 824)]
+  rows = []
+  for b, h, g, n, k in shapes:
+    n_sets = 2 if args.smoke else max(2, int(np.ceil(200e6 / (b * h * g * n * 4))))
+    xs = [(jax.random.uniform(jax.random.fold_in(jax.random.key(5), i), (b, h, g, n)),)
+          for i in range(n_sets)]
+    exact = bool((np.asarray(pk.top_k_indices(xs[0][0], k, impl=impl))
+                  == np.asarray(reference.top_k_indices(xs[0][0], k))).all())
+    calls = 2 if args.smoke else 100
+    for vname, fn in (('pallas top_k_indices', lambda x: pk.top_k_indices(x, k, impl=impl)),
+                      ('lax.top_k', lambda x: jax.lax.top_k(x, k)[1])):
+      compile_s, ms = timeit(fn, xs, calls)
+      gbs = (b * h * g * (n + k) * 4) / (ms * 1e-3) / 1e9
+      rows.append((f'B {b}, H {h}, G {g}, N {n}, k {k}', vname, ms * 1e3, gbs,
+                   gbs / ceil['copy_gbs'], exact if 'pallas' in vname else '', compile_s))
+  table('(f) top-k selection, float32 (bandwidth: rows x (N + k) x 4 B)',
+        ['shape', 'variant', 'median us', 'GB/s', 'fraction of copy', 'same set', 'compile s'], rows)
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--only', default='a,b,c,d,e')
+  p.add_argument('--only', default='a,b,c,d,e,f')
   p.add_argument('--smoke', action='store_true', help='tiny shapes, interpret mode (CPU)')
   p.add_argument('--bwd_configs', default='',
                  help="extra backward variants for (b), e.g. '32x64w4,64x128w8'")
@@ -559,7 +585,7 @@ def main():
   print(f'measured ceilings: copy {ceil["copy_gbs"]:.0f} GB/s (read + write), '
         f'bf16 matmul {ceil["tflops"]:.0f} TFLOP/s')
   parts = dict(a=bench_csla, b=bench_training, c=bench_gather, d=bench_gathered,
-               e=bench_column_sums)
+               e=bench_column_sums, f=bench_top_k)
   for part in args.only.split(','):
     try:
       parts[part](args, ceil)

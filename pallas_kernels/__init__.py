@@ -1,5 +1,5 @@
 """pallas_kernels: block-sparse cross-scale attention, gathered-key attention, attention column
-sums per query group, top-k token gather/scatter, dense + GELU.
+sums per query group, top-k selection, top-k token gather/scatter, dense + GELU.
 
 Kernels in Pallas (Triton lowering on NVIDIA GPUs; the block-sparse attention, both
 directions, also in Mosaic GPU on Hopper; dense + GELU in Mosaic GPU only), their layouts,
@@ -15,6 +15,7 @@ from pallas_kernels.layout import (BlockLayout, csla_layout, default_block, dens
                                    level_causal_layout, scale_causal_layout, schedule_levels)
 from pallas_kernels.reference import masked_attention, pts_scores
 from pallas_kernels.sparse_attention import block_sparse_attention
+from pallas_kernels.top_k import top_k_indices
 from pallas_kernels.token_gather import gather_rows, pts_topk_gather, token_scatter, topk_gather
 
 __all__ = [
@@ -23,5 +24,5 @@ __all__ = [
     'layout_from_mask', 'layout_from_rows', 'level_causal_layout', 'scale_causal_layout',
     'schedule_levels',
     'masked_attention', 'pts_scores', 'block_sparse_attention', 'gather_rows', 'pts_topk_gather',
-    'token_scatter', 'topk_gather',
+    'token_scatter', 'topk_gather', 'top_k_indices',
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def masked_attention(q, k, v, mask, scale: float):
@@ -106,3 +107,8 @@ def dense_column_sums(q, k, v, kv_len: int, scale: float, group: int):
                    preferred_element_type=jnp.float32).astype(q.dtype)
   member = (jnp.arange(lq)[None] // group == jnp.arange(-(-lq // group))[:, None]).astype(jnp.float32)
   return out, jnp.einsum('gq,bhqk->bhgk', member, p)
+
+
+def top_k_indices(x, k: int):
+  """x [..., N] -> [..., k] int32: lax.top_k's indices (ties to the lower index), sorted."""
+  return jnp.sort(lax.top_k(x, k)[1], axis=-1).astype(jnp.int32)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from accel.sparvar import (PRESETS, CS4AHooks, SparVAR, dense_with_column_sums, group_map, key_map,
-                           upsample, with_sink)
+from accel.sparvar import (PRESETS, CS4AHooks, SparVAR, add_upsampled, dense_with_column_sums, group_map,
+                           key_map, with_sink)
 from var_models.var.schedules import INFINITY_1024, ScaleSchedule
 
 PNS = (1, 2, 3, 4, 6, 8)
@@ -35,7 +35,7 @@ def test_group_map_is_the_homography_with_half_to_even_rounding_and_clipping():
 
 def test_with_sink_unites_and_pads_the_duplicates():
   top = jnp.array([[[[5, 1, 7]]]])
-  np.testing.assert_array_equal(with_sink(top, 3), [[[[-1, 0, 1, 2, 5, 7]]]])
+  np.testing.assert_array_equal(with_sink(top, 3), [[[[0, 1, 2, 5, -1, 7]]]])
 
 
 def test_dense_with_column_sums_sums_the_probabilities_of_each_query_group():
@@ -50,10 +50,18 @@ def test_dense_with_column_sums_sums_the_probabilities_of_each_query_group():
   np.testing.assert_allclose(sums, want, rtol=1e-5)
 
 
-def test_upsample_onto_the_same_grid_is_the_identity():
-  x = jax.random.normal(jax.random.key(0), (2, 9, 2, 4))
-  for method in ('linear', 'nearest'):
-    np.testing.assert_allclose(upsample(x, 3, 3, method), x, rtol=1e-6)
+@pytest.mark.parametrize('src, dst', [(3, 3), (4, 6), (10, 13), (40, 64)])
+@pytest.mark.parametrize('method', ['linear', 'nearest'])
+def test_add_upsampled_adds_what_jax_image_resize_gives(src, dst, method):
+  cache = jax.random.normal(jax.random.key(0), (2, src * src, 3, 4))
+  x = jax.random.normal(jax.random.key(1), (2, dst * dst, 3, 4)).astype(jnp.bfloat16)
+  grid = jax.image.resize(cache.reshape(2, src, src, 12), (2, dst, dst, 12), method, antialias=False)
+  want = (x.astype(jnp.float32) + grid.reshape(x.shape)).astype(jnp.bfloat16)
+  got = add_upsampled(x, cache, src, dst, method)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-2, atol=1e-2)
+  np.testing.assert_allclose(add_upsampled(x.astype(jnp.float32), cache, src, dst, method),
+                             x.astype(jnp.float32) + grid.reshape(x.shape), rtol=1e-5, atol=2e-5)
 
 
 def _numpy_cs4a(q_s, k_s, v_s, q_k, k_k, v_k, policy, s, kk, scale):
@@ -178,6 +186,15 @@ def test_sparvar_composes_with_fastvars_trailing_skip(sample_tiny):
   # The sparse scale is SparVAR's, not the baseline's.
   np.testing.assert_array_equal(skip_aux['indices'][2], sparse_aux['indices'][2])
   assert (np.asarray(skip_aux['indices'][2]) != np.asarray(aux['indices'][2])).any()
+
+
+@pytest.mark.parametrize('pgd, message', [(True, 'one scale per step'), (False, 'need the whole scale')])
+def test_sparvar_with_a_policy_that_prunes_its_scales_is_an_error_naming_why(sample_tiny, pgd, message):
+  """LazyVAR forwards a few tokens of the scales SparVAR would sparsify (or runs them as one step)."""
+  from accel import LazyVAR, compose
+  sparvar = SparVAR(decision=2, sparse=(3,), group=16, sink_scales=1, windows=(1, 3), block=16)
+  with pytest.raises(ValueError, match=message), pk.override('interpret'):
+    sample_tiny(compose(LazyVAR(start=2, retention=(0.5, 0.5), pgd=pgd), sparvar))
 
 
 def test_the_sparse_attention_calls_read_the_kv_buffer_in_place(sample_tiny):
