@@ -39,6 +39,10 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
       mesh_data=-1, mesh_fsdp=1,
       log_every=50, ckpt_every=1000, keep_checkpoints=3,
       sample_every=5000, sample_per_class=4, sample_classes=8, sample_seed=0,
+      # On the built-in data, with each grid: class accuracy and Frechet distance of this many
+      # grid-sized batches of EMA samples (the grid's first), by a classifier the run trains once
+      # (train/builtin_classifier.py); 0 = off.
+      sample_metrics=5,
       peak_flops=0.0,             # per-device peak FLOP/s for MFU; 0 = from the device kind
   ))
   c.update(overrides)

@@ -23,7 +23,7 @@ def small_var():
   c.vqvae.update(ch=32, ch_mult=(1, 1), vocab_size=32, z_channels=4)
   c.model.update(depth=1, width=32)
   c.train.update(steps=3, batch_size=4, warmup_steps=1, log_every=1, sample_every=3, sample_classes=2,
-                 sample_per_class=1)
+                 sample_per_class=1, sample_metrics=0)
   c.data.update(num_examples=12, workers=1)
   return c
 

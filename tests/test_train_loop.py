@@ -9,6 +9,7 @@ import dataclasses
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 
@@ -17,9 +18,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from tensorboardX.proto import event_pb2
 
 from configs import common
-from train import tasks
+from train import builtin_classifier, tasks
 from train.checkpoints import CheckpointError, Checkpoints
 from train.tasks import Task, to_unit_range
 from train.trainer import Preemption, Trainer, TrainingDiverged
@@ -64,7 +66,8 @@ def toy_family():
 def toy_config(**train) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict(dict(family='toy', image_size=8, num_classes=10, model=dict(width=8)))
   c.train = common.train_config(steps=STEPS, batch_size=4, lr=0.05, warmup_steps=1, ckpt_every=2, log_every=1,
-                                sample_every=3, sample_classes=2, sample_per_class=2, ema_decay=0.9)
+                                sample_every=3, sample_classes=2, sample_per_class=2, ema_decay=0.9,
+                                sample_metrics=0)
   c.train.update(train)
   c.data = common.data_config(num_examples=10, workers=1)
   return c
@@ -112,6 +115,32 @@ def test_a_run_keeps_the_last_checkpoints_and_writes_grids(runs):
   assert Checkpoints(workdir, 3).manager.all_steps() == [3, 4, 6]  # 3: the preemption; keep 3
   assert sorted(os.listdir(os.path.join(workdir, 'samples'))) == ['step_0000003.png', 'step_0000006.png']
   assert Checkpoints(runs['full_dir'], 3).manager.all_steps() == [2, 4, 6]
+
+
+def _tensorboard_scalars(logdir) -> dict:
+  """{tag: [(step, value), ...]} from the event files (TFRecords of Event protos)."""
+  scalars = {}
+  for path in sorted(logdir.iterdir()):
+    with open(path, 'rb') as f:
+      while header := f.read(12):   # length, its CRC
+        event = event_pb2.Event.FromString(f.read(struct.unpack('<Q', header[:8])[0]))
+        f.read(4)   # the data's CRC
+        for v in event.summary.value:
+          scalars.setdefault(v.tag, []).append((event.step, v.simple_value))
+  return scalars
+
+
+@pytest.mark.filterwarnings('ignore:Matrix is singular')   # the toy's samples are flat colours
+def test_each_grid_scores_its_samples_on_the_built_in_data(tmp_path, monkeypatch):
+  monkeypatch.setattr(builtin_classifier, 'TRAIN_STEPS', 5)
+  trainer = Trainer(toy_config(sample_metrics=3), str(tmp_path))
+  trainer.run()
+  scalars = _tensorboard_scalars(tmp_path / 'tensorboard')
+  accuracy, distance = scalars['samples/class_accuracy'], scalars['samples/frechet_distance']
+  assert [s for s, _ in accuracy] == [s for s, _ in distance] == [3, 6]
+  assert all(0 <= v <= 1 for _, v in accuracy) and all(np.isfinite(v) and v >= 0 for _, v in distance)
+  assert set(trainer.progress_scores) == {'acc', 'fd'}
+  assert (tmp_path / 'builtin_classifier' / 'reference_8px_10classes.npz').exists()
 
 
 def test_keep_checkpoints_bounds_what_stays_on_disk(tmp_path):
@@ -197,6 +226,7 @@ def test_a_corrupt_checkpoint_is_an_error_not_a_fresh_start(runs, tmp_path):
     ('mesh_fsdp', 3, 'config.train.mesh_fsdp=3 must be >= 1 and divide the 1 devices'),
     ('mesh_data', 2, 'config.train.mesh_data=2 x mesh_fsdp=1 must equal the 1 devices'),
     ('max_bad_steps', 0, 'config.train.max_bad_steps must be an integer >= 1'),
+    ('sample_metrics', -1, 'config.train.sample_metrics must be an integer >= 0'),
 ])
 def test_a_bad_train_setting_is_an_error_naming_the_key(tmp_path, key, value, match):
   with pytest.raises(ValueError, match=match):

@@ -3,7 +3,9 @@
 WORKDIR holds checkpoints/ (resumed from when present), tensorboard/, samples/
 (PNG grids of EMA samples), config.json, and at the end params/ + meta.json: the
 EMA parameters with the frozen tokenizer, the layout `python -m train.sample --ckpt`
-reads.
+reads. A generator of the built-in data also gets builtin_classifier/ (made at the
+first grid): each grid's samples, and config.train.sample_metrics - 1 more batches like
+them, are scored by class accuracy and Frechet distance (train/builtin_classifier.py).
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ from tqdm import tqdm
 from train import grid as grid_lib
 from train import mesh as mesh_lib
 from train import throughput
+from train.builtin_classifier import BuiltinMetrics
 from train.checkpoints import Checkpoints, abstract_like
+from train.data import synthetic
 from train.data.loader import Loader
 from train.data.sources import make_examples
 from train.optimizer import lr_schedule, make_optimizer
@@ -113,6 +117,10 @@ class Trainer:
       raise
     self.frozen = mesh_lib.put(self.task.frozen, mesh_lib.state_shardings(self.mesh, self.task.frozen))
     self.summaries = Summaries(self.workdir, enabled=self.is_main)
+    # A tokenizer's grid shows reconstructions: its reconstruction loss already measures them.
+    self.scoring = (self.t.sample_metrics > 0 and config.data.source == 'synthetic'
+                    and self.task.reconstruct is None)
+    self.progress_scores: dict = {}   # the last grid's scores, shown in the progress line
 
   # ---- state ----
 
@@ -146,16 +154,39 @@ class Trainer:
       labels = sample_labels(self.t, self.task.num_classes)
       if labels.size == 0:
         return None
-      key = jax.random.key(self.t.sample_seed)
-      images = mesh_lib.to_host(self.task.sample(self.state.ema_params, self.frozen, key,
-                                                 jax.device_put(labels, mesh_lib.replicated(self.mesh))
-                                                 if jax.process_count() > 1 else labels))
-      ncol = self.t.sample_per_class
+      batches = self._ema_samples(labels, self.t.sample_metrics if self.scoring else 1)
+      images, ncol = batches[0], self.t.sample_per_class
     if not self.is_main:
       return None
     path = grid_lib.save_grid(images, os.path.join(self.workdir, 'samples', f'step_{step:07d}.png'), ncol=ncol)
     self.summaries.image(step, 'samples/ema', grid_lib.make_grid(images, ncol=ncol))
+    if self.scoring:
+      self._score_samples(step, np.concatenate(batches), np.tile(labels, len(batches)))
     return path
+
+  def _ema_samples(self, labels: np.ndarray, batches: int) -> list[np.ndarray]:
+    """`batches` batches [B, H, W, 3] of EMA samples of `labels`, each from its own key (the first
+    is the grid's): one batch shape, so the sampler compiles once."""
+    key = jax.random.key(self.t.sample_seed)
+    if jax.process_count() > 1:
+      labels = jax.device_put(labels, mesh_lib.replicated(self.mesh))
+    return [mesh_lib.to_host(self.task.sample(self.state.ema_params, self.frozen,
+                                              jax.random.fold_in(key, i) if i else key, labels))
+            for i in range(batches)]
+
+  @functools.cached_property
+  def _builtin_metrics(self) -> BuiltinMetrics:
+    """The built-in data's classifier and reference statistics (trained and computed once per workdir)."""
+    classes = min(self.task.num_classes, synthetic.MAX_CLASSES)   # the classes the dataset draws
+    return BuiltinMetrics.load_or_train(self.workdir, self.task.image_size, classes, self.t.seed)
+
+  def _score_samples(self, step: int, images: np.ndarray, labels: np.ndarray) -> None:
+    """Class accuracy and Frechet distance of EMA samples [N, H, W, 3] of `labels` [N]."""
+    scores = self._builtin_metrics.evaluate(images, labels)
+    self.summaries.scalars(step, {f'samples/{k}': v for k, v in scores.items()})
+    logging.info('step %d: %d EMA samples: class accuracy %.3f, Frechet distance %.2f', step, len(images),
+                 scores['class_accuracy'], scores['frechet_distance'])
+    self.progress_scores = {'acc': f'{scores["class_accuracy"]:.2f}', 'fd': f'{scores["frechet_distance"]:.1f}'}
 
   @functools.cached_property
   def _originals(self) -> np.ndarray:
@@ -254,7 +285,7 @@ class Trainer:
     if step % self.t.log_every == 0 or step == self.t.steps:
       summary = meter.summary()
       self.summaries.scalars(step, summary)
-      bar.set_postfix(loss=f'{summary["loss"]:.4f}', skipped=int(values['skipped']))
+      bar.set_postfix(loss=f'{summary["loss"]:.4f}', skipped=int(values['skipped']), **self.progress_scores)
     return values
 
 

@@ -39,7 +39,8 @@ def _fraction(section, prefix: str, key: str, high_open: bool = False) -> None:
 def check_train(t) -> None:
   _ints(t, 'train', 1, ('steps', 'batch_size', 'grad_accum', 'log_every', 'ckpt_every', 'keep_checkpoints',
                          'sample_every', 'max_bad_steps'))
-  _ints(t, 'train', 0, ('warmup_steps', 'seed', 'sample_per_class', 'sample_classes', 'sample_seed'))
+  _ints(t, 'train', 0, ('warmup_steps', 'seed', 'sample_per_class', 'sample_classes', 'sample_seed',
+                         'sample_metrics'))
   _check(t.batch_size % t.grad_accum == 0, 'train.batch_size', t.batch_size,
          f'a multiple of config.train.grad_accum={t.grad_accum}')
   _check(t.optimizer == 'adamw', 'train.optimizer', t.optimizer, "'adamw'")

@@ -51,11 +51,18 @@ def _sdf(shape: str, x: np.ndarray, y: np.ndarray, r: float) -> np.ndarray:
   raise ValueError(f'unknown shape {shape!r}')
 
 
+def class_factors(labels):
+  """(index into SHAPES, index into COLORS) of classes (ints or int arrays); labels 0..143 give
+  every (shape, colour) pair once."""
+  return labels % len(SHAPES), (labels + labels // len(SHAPES)) % len(COLORS)
+
+
 def class_style(label: int) -> tuple[str, np.ndarray]:
   """(shape name, RGB colour in [0, 1]) of a class."""
   if not 0 <= label < MAX_CLASSES:
     raise ValueError(f'the built-in dataset has classes 0..{MAX_CLASSES - 1}, got {label}')
-  return SHAPES[label % len(SHAPES)], COLORS[(label + label // len(SHAPES)) % len(COLORS)]
+  shape, colour = class_factors(label)
+  return SHAPES[shape], COLORS[colour]
 
 
 def render(label: int, size: int, rng: np.random.Generator) -> np.ndarray:

@@ -10,6 +10,7 @@ from var_models import checkpoint
 from var_models.convert.autoencoder_kl import convert_autoencoder_kl
 from var_models.convert.common import strip_prefix
 from var_models.convert.diffusers_vae import convert_diffusers_vae
+from var_models.convert.inception import convert_inception
 from var_models.convert.lpips import convert_lpips
 from var_models.convert.mar import convert_mar
 from var_models.convert.var import convert_var, infer_var_depth
@@ -102,6 +103,14 @@ def convert_lpips_files(vgg_path: str, lin_path: str, out: str) -> None:
   print(f'wrote LPIPS (vgg, v0.1) params to {out}')
 
 
+def convert_inception_file(pth_path: str, out: str) -> None:
+  """pytorch-fid's pt_inception-2015-12-05-6726825d.pth -> checkpoint {'inception'} at `out`, the feature
+  network of FID, sFID, IS and precision/recall (`var_models.convert.inception.load_inception` reads it)."""
+  params = {'inception': convert_inception(load_state_dict(pth_path))}
+  checkpoint.save_params(out, params, {'model': 'fid-inception-v3-2015-12-05', 'pth': pth_path})
+  print(f'wrote the FID Inception-v3 params to {out}')
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog='python -m var_models.convert', description=__doc__)
   sub = parser.add_subparsers(dest='family', required=True)
@@ -123,6 +132,9 @@ def main(argv=None) -> None:
   lp.add_argument('--vgg', required=True, help="torchvision's vgg16 state dict (vgg16-397923af.pth, or .npz)")
   lp.add_argument('--lin', required=True, help="the lpips package's weights/v0.1/vgg.pth (or .npz)")
   lp.add_argument('--out', required=True, help='output checkpoint directory')
+  fid = sub.add_parser('inception', help="FID's Inception-v3 (TF 2015-12-05) in pytorch-fid's layout")
+  fid.add_argument('--pth', required=True, help='pt_inception-2015-12-05-6726825d.pth (or .npz)')
+  fid.add_argument('--out', required=True, help='output checkpoint directory')
   args = parser.parse_args(argv)
   try:
     if args.family == 'var':
@@ -131,6 +143,8 @@ def main(argv=None) -> None:
       convert_mar_files(args.vae, args.mar, args.model, args.out, args.ema)
     elif args.family == 'lpips':
       convert_lpips_files(args.vgg, args.lin, args.out)
+    elif args.family == 'inception':
+      convert_inception_file(args.pth, args.out)
     else:
       convert_sdxl_vae_file(args.vae, args.out)
   except ValueError as e:
