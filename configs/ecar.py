@@ -114,7 +114,9 @@ def _tiny() -> ml_collections.ConfigDict:
   c.dtype = 'float32'
   c.attn_backend = 'xla'
   c.sample.update(num_steps=30, cfg_scale=3.0, batch_size=10)
-  c.train.update(steps=600, batch_size=32, lr=1e-3, warmup_steps=30, ema_decay=0.995, grad_clip=1.0,
+  # lr 2e-3 and EMA 0.99 (from 1e-3 and 0.995): 94 % of the final samples recognised as their class
+  # against 85 %, at the same cost (benchmarks/RESULTS.md, built-in data).
+  c.train.update(steps=600, batch_size=32, lr=2e-3, warmup_steps=30, ema_decay=0.99, grad_clip=1.0,
                  log_every=20, ckpt_every=200, sample_every=200, sample_per_class=2, sample_classes=10)
   c.data.update(source='synthetic', num_examples=5000, crop='center', hflip=False, workers=2)
   return c

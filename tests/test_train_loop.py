@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from PIL import Image
 from tensorboardX.proto import event_pb2
 
 from configs import common
@@ -114,6 +115,8 @@ def test_a_run_keeps_the_last_checkpoints_and_writes_grids(runs):
   workdir = runs['cut_dir']
   assert Checkpoints(workdir, 3).manager.all_steps() == [3, 4, 6]  # 3: the preemption; keep 3
   assert sorted(os.listdir(os.path.join(workdir, 'samples'))) == ['step_0000003.png', 'step_0000006.png']
+  # 2 class rows of a real example and 2 samples, 8 px cells shown at 64 px with 2 px gaps.
+  assert Image.open(os.path.join(workdir, 'samples', 'step_0000006.png')).size == (3 * 66 + 2, 2 * 66 + 2)
   assert Checkpoints(runs['full_dir'], 3).manager.all_steps() == [2, 4, 6]
 
 
@@ -133,13 +136,13 @@ def _tensorboard_scalars(logdir) -> dict:
 @pytest.mark.filterwarnings('ignore:Matrix is singular')   # the toy's samples are flat colours
 def test_each_grid_scores_its_samples_on_the_built_in_data(tmp_path, monkeypatch):
   monkeypatch.setattr(builtin_classifier, 'TRAIN_STEPS', 5)
-  trainer = Trainer(toy_config(sample_metrics=3), str(tmp_path))
-  trainer.run()
+  result = Trainer(toy_config(sample_metrics=3), str(tmp_path)).run()
   scalars = _tensorboard_scalars(tmp_path / 'tensorboard')
   accuracy, distance = scalars['samples/class_accuracy'], scalars['samples/frechet_distance']
   assert [s for s, _ in accuracy] == [s for s, _ in distance] == [3, 6]
   assert all(0 <= v <= 1 for _, v in accuracy) and all(np.isfinite(v) and v >= 0 for _, v in distance)
-  assert set(trainer.progress_scores) == {'acc', 'fd'}
+  assert result.sample_scores['step'] == 6
+  assert result.sample_scores['class_accuracy'] == accuracy[-1][1]
   assert (tmp_path / 'builtin_classifier' / 'reference_8px_10classes.npz').exists()
 
 

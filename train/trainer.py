@@ -79,6 +79,7 @@ class Result:
   state: TrainState
   last_metrics: dict
   preempted: bool
+  sample_scores: dict   # the last grid's class accuracy and Frechet distance (built-in data), or {}
 
 
 def check_batch(t, num_devices: int) -> None:
@@ -117,10 +118,11 @@ class Trainer:
       raise
     self.frozen = mesh_lib.put(self.task.frozen, mesh_lib.state_shardings(self.mesh, self.task.frozen))
     self.summaries = Summaries(self.workdir, enabled=self.is_main)
-    # A tokenizer's grid shows reconstructions: its reconstruction loss already measures them.
-    self.scoring = (self.t.sample_metrics > 0 and config.data.source == 'synthetic'
-                    and self.task.reconstruct is None)
-    self.progress_scores: dict = {}   # the last grid's scores, shown in the progress line
+    # A generator of the built-in data: its grid rows start with a real example of their class, and
+    # its samples are scored (a tokenizer's grid shows reconstructions, which its loss measures).
+    self.builtin = config.data.source == 'synthetic' and self.task.reconstruct is None
+    self.scoring = self.builtin and self.t.sample_metrics > 0
+    self.sample_scores: dict = {}   # the last grid's scores, shown in the progress line
 
   # ---- state ----
 
@@ -156,6 +158,8 @@ class Trainer:
         return None
       batches = self._ema_samples(labels, self.t.sample_metrics if self.scoring else 1)
       images, ncol = batches[0], self.t.sample_per_class
+      if self.builtin:
+        images, ncol = self._with_real_examples(images, labels), ncol + 1
     if not self.is_main:
       return None
     path = grid_lib.save_grid(images, os.path.join(self.workdir, 'samples', f'step_{step:07d}.png'), ncol=ncol)
@@ -174,6 +178,15 @@ class Trainer:
                                               jax.random.fold_in(key, i) if i else key, labels))
             for i in range(batches)]
 
+  def _with_real_examples(self, images: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Samples [C * per_class, H, W, 3], one row per class, with a real image of the class (the built-in
+    data's renderer, fixed seed) before each row: [C * (per_class + 1), H, W, 3]."""
+    per = self.t.sample_per_class
+    rng = np.random.default_rng(self.t.sample_seed)
+    real = np.stack([synthetic.render(int(c), images.shape[1], rng) for c in labels[::per]]) / np.float32(255)
+    rows = images.reshape((-1, per) + images.shape[1:])
+    return np.concatenate([real[:, None], rows], 1).reshape((-1,) + images.shape[1:])
+
   @functools.cached_property
   def _builtin_metrics(self) -> BuiltinMetrics:
     """The built-in data's classifier and reference statistics (trained and computed once per workdir)."""
@@ -186,7 +199,7 @@ class Trainer:
     self.summaries.scalars(step, {f'samples/{k}': v for k, v in scores.items()})
     logging.info('step %d: %d EMA samples: class accuracy %.3f, Frechet distance %.2f', step, len(images),
                  scores['class_accuracy'], scores['frechet_distance'])
-    self.progress_scores = {'acc': f'{scores["class_accuracy"]:.2f}', 'fd': f'{scores["frechet_distance"]:.1f}'}
+    self.sample_scores = {'step': step, **scores}
 
   @functools.cached_property
   def _originals(self) -> np.ndarray:
@@ -231,7 +244,7 @@ class Trainer:
   def _loop(self, start: int) -> Result:
     t = self.t
     if start >= t.steps:
-      return Result(self.state, {}, False)
+      return Result(self.state, {}, False, {})
     batches = self.loader.iterate(start)
     first = mesh_lib.global_batch(self.mesh, next(batches))
     step_fn, _, flops = compile_train_step(self.task, self.tx, self.schedule, t, self.mesh, self.shardings,
@@ -271,7 +284,7 @@ class Trainer:
     finally:
       bar.close()
       batches.close()
-    return Result(self.state, last, preempted)
+    return Result(self.state, last, preempted, self.sample_scores)
 
   def _after_step(self, step: int, metrics, meter: '_Meter', bar) -> dict:
     values = {k: mesh_lib.to_host(v) for k, v in metrics.items()}
@@ -285,7 +298,9 @@ class Trainer:
     if step % self.t.log_every == 0 or step == self.t.steps:
       summary = meter.summary()
       self.summaries.scalars(step, summary)
-      bar.set_postfix(loss=f'{summary["loss"]:.4f}', skipped=int(values['skipped']), **self.progress_scores)
+      scores = self.sample_scores
+      shown = {'acc': f'{scores["class_accuracy"]:.2f}', 'fd': f'{scores["frechet_distance"]:.1f}'} if scores else {}
+      bar.set_postfix(loss=f'{summary["loss"]:.4f}', skipped=int(values['skipped']), **shown)
     return values
 
 
