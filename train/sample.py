@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 from tqdm import tqdm
 
 import jax
@@ -26,32 +25,13 @@ import jax
 from accel.families import family_from_config
 from accel.specs import policy_from_spec
 from train import grid as grid_lib
-from var_models import checkpoint
+from train import sampling_flags as sf
 from var_models.nn.checks import check_labels
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/{var,mar,ecar}.py:VARIANT', lock_config=True)
-_CKPT = flags.DEFINE_string('ckpt', None, 'checkpoint directory (from `python -m var_models.convert`) or '
-                            'training workdir (`python -m train`)')
 _OUT = flags.DEFINE_string('out', 'samples/grid.png', 'where to write the PNG grid')
 _LABELS = flags.DEFINE_list('labels', None, 'class labels, comma separated (default: 0, 1, 2, ...)')
 _NUM = flags.DEFINE_integer('num_images', None, 'images in the grid (default: one per label, else batch_size)')
 _CFG = flags.DEFINE_float('cfg', None, 'classifier-free guidance scale (E-CAR: cfg_scale)')
-_SEED = flags.DEFINE_integer('seed', None, 'random seed')
-_BATCH = flags.DEFINE_integer('batch_size', None, 'images per compiled call')
-_TOP_K = flags.DEFINE_integer('top_k', None, 'VAR: top-k, 0 = off')
-_TOP_P = flags.DEFINE_float('top_p', None, 'VAR: top-p in (0, 1], 1 = off')
-_NUM_ITER = flags.DEFINE_integer('num_iter', None, 'MAR: iterations')
-_TEMP = flags.DEFINE_float('temperature', None, 'MAR: diffusion temperature')
-_SCHEDULE = flags.DEFINE_string('cfg_schedule', None, "MAR: 'linear' or 'constant'")
-_STEPS = flags.DEFINE_integer('num_diffusion_steps', None, 'MAR: diffusion steps')
-_EULER = flags.DEFINE_integer('num_steps', None, 'E-CAR: Euler steps in all, split over the stages')
-
-_FAMILY_FLAGS = {'var': (_TOP_K, _TOP_P), 'mar': (_NUM_ITER, _TEMP, _SCHEDULE, _STEPS), 'ecar': (_EULER,)}
-_FAMILY_NAMES = {'var': 'VAR', 'mar': 'MAR', 'ecar': 'E-CAR'}
-
-
-def _pick(flag, default):
-  return default if flag.value is None else flag.value
 
 
 def _labels(num_classes: int, batch: int) -> np.ndarray:
@@ -65,45 +45,17 @@ def _labels(num_classes: int, batch: int) -> np.ndarray:
   return np.resize(labels, _NUM.value or len(labels))
 
 
-def _check_family_flags(family: str) -> None:
-  for other, fl in _FAMILY_FLAGS.items():
-    for f in fl if other != family else ():
-      if f.value is not None:
-        raise ValueError(f'--{f.name} applies to {_FAMILY_NAMES[other]} configs, not to config.family={family!r}')
-
-
-def _overrides(family: str) -> dict:
-  """The sampling flags given, as `accel.families` overrides of the config's `sample` settings."""
-  steps = _STEPS if family == 'mar' else _EULER
-  return dict(cfg=_CFG.value, top_k=_TOP_K.value, top_p=_TOP_P.value, num_iter=_NUM_ITER.value,
-              temperature=_TEMP.value, cfg_schedule=_SCHEDULE.value, num_steps=steps.value)
-
-
-def _check_checkpoint_family(family: str) -> None:
-  """A checkpoint whose meta.json names another family is an error before anything loads."""
-  stored = checkpoint.load_meta(_CKPT.value).get('family', family)
-  if stored != family:
-    raise ValueError(f'--ckpt {_CKPT.value} holds {_FAMILY_NAMES.get(stored, stored)} params (its meta.json), '
-                     f'not config.family={family!r}')
-
-
 def main(argv):
   del argv
-  config = _CONFIG.value
-  if config.family not in _FAMILY_FLAGS:
-    raise ValueError(f'config.family must be one of {sorted(_FAMILY_FLAGS)}, got {config.family!r}')
-  _check_family_flags(config.family)
-  if _CKPT.value:
-    _check_checkpoint_family(config.family)
-  batch = _pick(_BATCH, config.sample.batch_size)
-  if batch <= 0:
-    raise ValueError(f'--batch_size must be positive, got {batch}')
+  config = sf.CONFIG.value
+  sf.check_family(config)
+  batch = sf.batch_size(config)
   num_classes = config.model.class_num if config.family == 'mar' else config.num_classes
   labels = _labels(num_classes, batch)
   check_labels(labels, num_classes)
-  key = jax.random.key(_pick(_SEED, config.sample.seed))
+  key = jax.random.key(sf.pick(sf.SEED, config.sample.seed))
   pkey, key = jax.random.split(key)
-  family = family_from_config(config, _CKPT.value, _overrides(config.family), pkey)
+  family = family_from_config(config, sf.CKPT.value, sf.overrides(config.family, _CFG.value), pkey)
   sample = family.make(policy_from_spec('baseline', family.name))
   images = []
   chunks = [labels[i:i + batch] for i in range(0, len(labels), batch)]

@@ -1,0 +1,59 @@
+"""The flags `python -m train.sample` and `python -m train.evaluate` share: the config, the checkpoint, the
+seed, the batch and each family's sampling settings, with their checks. Importing this module defines them.
+"""
+from __future__ import annotations
+
+from absl import flags
+from ml_collections import config_flags
+
+from var_models import checkpoint
+
+CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/{var,mar,ecar}.py:VARIANT', lock_config=True)
+CKPT = flags.DEFINE_string('ckpt', None, 'checkpoint directory (from `python -m var_models.convert`) or '
+                           'training workdir (`python -m train`)')
+SEED = flags.DEFINE_integer('seed', None, 'random seed')
+BATCH = flags.DEFINE_integer('batch_size', None, 'images per compiled call')
+TOP_K = flags.DEFINE_integer('top_k', None, 'VAR: top-k, 0 = off')
+TOP_P = flags.DEFINE_float('top_p', None, 'VAR: top-p in (0, 1], 1 = off')
+NUM_ITER = flags.DEFINE_integer('num_iter', None, 'MAR: iterations')
+TEMP = flags.DEFINE_float('temperature', None, 'MAR: diffusion temperature')
+SCHEDULE = flags.DEFINE_string('cfg_schedule', None, "MAR: 'linear' or 'constant'")
+STEPS = flags.DEFINE_integer('num_diffusion_steps', None, 'MAR: diffusion steps')
+EULER = flags.DEFINE_integer('num_steps', None, 'E-CAR: Euler steps in all, split over the stages')
+
+_FAMILY_FLAGS = {'var': (TOP_K, TOP_P), 'mar': (NUM_ITER, TEMP, SCHEDULE, STEPS), 'ecar': (EULER,)}
+FAMILY_NAMES = {'var': 'VAR', 'mar': 'MAR', 'ecar': 'E-CAR'}
+
+
+def pick(flag, default):
+  return default if flag.value is None else flag.value
+
+
+def check_family(config) -> None:
+  """The config's family is known, no flag of another family is set, and --ckpt (if any) holds this family."""
+  family = config.family
+  if family not in _FAMILY_FLAGS:
+    raise ValueError(f'config.family must be one of {sorted(_FAMILY_FLAGS)}, got {family!r}')
+  for other, fl in _FAMILY_FLAGS.items():
+    for f in fl if other != family else ():
+      if f.value is not None:
+        raise ValueError(f'--{f.name} applies to {FAMILY_NAMES[other]} configs, not to config.family={family!r}')
+  if CKPT.value:
+    stored = checkpoint.load_meta(CKPT.value).get('family', family)
+    if stored != family:
+      raise ValueError(f'--ckpt {CKPT.value} holds {FAMILY_NAMES.get(stored, stored)} params (its meta.json), '
+                       f'not config.family={family!r}')
+
+
+def overrides(family: str, cfg) -> dict:
+  """The sampling flags given and guidance scale `cfg`, as `accel.families` overrides of the config's `sample`."""
+  steps = STEPS if family == 'mar' else EULER
+  return dict(cfg=cfg, top_k=TOP_K.value, top_p=TOP_P.value, num_iter=NUM_ITER.value,
+              temperature=TEMP.value, cfg_schedule=SCHEDULE.value, num_steps=steps.value)
+
+
+def batch_size(config) -> int:
+  batch = pick(BATCH, config.sample.batch_size)
+  if batch <= 0:
+    raise ValueError(f'--batch_size must be positive, got {batch}')
+  return batch
