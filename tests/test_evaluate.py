@@ -1,6 +1,6 @@
 """`python -m train.evaluate` on the tiny VAR (random weights, built-in data): ADM-format shards with balanced
-classes, resuming a killed run, the Inception metrics' plumbing (a small stand-in network), built-in metrics,
-flag errors."""
+classes, resuming a killed run, the Inception metrics (a small stand-in network, and the real one with random
+weights from its checkpoint), built-in metrics, flag errors."""
 import json
 import os
 import pathlib
@@ -122,3 +122,19 @@ def test_bad_flags_are_named_before_anything_is_sampled(tmp_path, args, error):
   with pytest.raises(ValueError, match=error):
     _evaluate(tmp_path / 'out', '--nobuiltin', *(subs.get(a, a) for a in args))
   assert not (tmp_path / 'out').exists() or not any((tmp_path / 'out').iterdir())
+
+
+@pytest.mark.filterwarnings('ignore:Matrix is singular')   # 20 samples of 2048 features
+def test_the_inception_network_from_its_checkpoint_scores_the_samples(copy):
+  """No stand-in: a random-weight FIDInceptionV3 saved as `python -m var_models.convert inception` does."""
+  from var_models import checkpoint
+  from var_models.tokenizers.inception import FIDInceptionV3
+  params = FIDInceptionV3().init(jax.random.key(0), np.zeros((1, 8, 8, 3), np.float32))['params']
+  checkpoint.save_params(str(copy / 'inception'), {'inception': params}, {'model': 'random'})
+  ref = str(copy / 'ref.npz')
+  np.savez(ref, arr_0=np.random.default_rng(0).integers(0, 256, (8, 32, 32, 3), np.uint8))
+  row = _evaluate(copy, '--nobuiltin', '--ref', ref, '--inception', str(copy / 'inception'))['cfg_1.5']
+  for k in ('fid', 'sfid', 'is', 'precision', 'recall'):
+    assert np.isfinite(row[k]), k
+  with np.load(copy / 'reference_ref.npz') as f:
+    assert f['pool'].shape == (8, 2048) and f['mu_s'].shape == (2023,)
