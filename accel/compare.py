@@ -15,25 +15,19 @@ against the baseline's; for VAR, per scale, the fraction of equal token ids; per
 median latency of a call (after a warm-up call), compile time and XLA's peak memory (weights +
 temporaries + outputs of the compiled program). Writes, under --out, summary.md (one row per
 policy, also printed), POLICY.json (every per-image figure) and POLICY.png (baseline |
-accelerated pairs, the first --grid images).
+accelerated pairs, the first --grid images). The comparison itself is `accel.fidelity` (importable
+without this CLI's flags).
 """
 from __future__ import annotations
-
-import dataclasses
-import json
-import os
-import statistics
-import time
-from typing import Optional
 
 import jax
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
-from PIL import Image
 
 from accel import metrics
-from accel.families import Family, family_from_config
+from accel.families import family_from_config
+from accel.fidelity import compare, parse_seeds
 from accel.specs import policy_from_spec
 from var_models.nn.checks import check_labels
 
@@ -52,120 +46,6 @@ _BATCH = flags.DEFINE_integer('batch_size', 1, 'images per sampler call')
 _LPIPS = flags.DEFINE_string('lpips', None, 'LPIPS params directory (python -m var_models.convert lpips)')
 _OUT = flags.DEFINE_string('out', 'compare', 'output directory')
 _GRID = flags.DEFINE_integer('grid', 16, 'image pairs in each PNG grid')
-
-
-@dataclasses.dataclass
-class Run:
-  """What one sampler produced over the seeds."""
-  images: np.ndarray              # [N, H, W, 3] in [0, 1]
-  indices: Optional[list]         # VAR: per scale it ran, [N, pn * pn]; else None
-  latency_ms: float               # median call, after a warm-up call
-  compile_s: float
-  peak_bytes: Optional[int]       # XLA's buffer assignment; None where the backend gives none
-
-
-def parse_seeds(text: str) -> list[int]:
-  """'0-3,7' -> [0, 1, 2, 3, 7]."""
-  seeds = []
-  for part in text.split(','):
-    lo, _, hi = part.strip().partition('-')
-    try:
-      first, last = int(lo), int(hi or lo)
-    except ValueError:
-      raise ValueError(f"--seeds must look like '0-63' or '0,5,9-12', got {text!r}") from None
-    if first < 0 or last < first:
-      raise ValueError(f'--seeds: bad range {part!r} in {text!r}')
-    seeds.extend(range(first, last + 1))
-  return seeds
-
-
-def peak_bytes(compiled) -> Optional[int]:
-  """Arguments + outputs + temporaries - aliased, from XLA's memory analysis of a compiled program."""
-  m = compiled.memory_analysis()
-  if m is None:
-    return None
-  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
-
-
-def run_sampler(family: Family, policy, seeds: list[int], labels: np.ndarray, batch: int) -> Run:
-  """Samples `seeds` (labels [N]) with `policy` in calls of `batch` images; the last call padded and cut."""
-  sample = family.make(policy)
-  groups = [slice(i, i + batch) for i in range(0, len(seeds), batch)]
-  calls = [family.call(jax.random.key(seeds[g.start]), np.resize(labels[g], batch).astype(np.int32)) for g in groups]
-  t0 = time.perf_counter()
-  compiled = sample.lower(*calls[0][0], **calls[0][1]).compile()
-  compile_s = time.perf_counter() - t0
-  args = [sample.arguments(*a, **kw) for a, kw in calls]   # checked here, outside the timed calls
-  jax.block_until_ready(compiled(*args[0]))
-  images, indices, times = [], [], []
-  for g, call_args in zip(groups, args):
-    t0 = time.perf_counter()
-    out, aux = jax.block_until_ready(compiled(*call_args))
-    times.append(time.perf_counter() - t0)
-    n = len(seeds[g])
-    images.append(np.asarray(out, np.float32)[:n])
-    tokens = family.tokens(aux)
-    indices.append(None if tokens is None else [np.asarray(i)[:n] for i in tokens])
-  per_scale = None if indices[0] is None else [np.concatenate(s) for s in zip(*indices)]
-  return Run(np.concatenate(images), per_scale, statistics.median(times) * 1e3, compile_s, peak_bytes(compiled))
-
-
-def save_pairs(base: np.ndarray, other: np.ndarray, path: str, ncol: int = 4) -> None:
-  """PNG of [baseline | accelerated] pairs, ncol pairs a row, 4 px gaps."""
-  n, h, w, _ = base.shape
-  pairs = np.concatenate([base, np.ones((n, h, 4, 3)), other], axis=2)
-  rows = -(-n // ncol)
-  grid = np.ones((rows * (h + 4), ncol * (2 * w + 12), 3))
-  for i, p in enumerate(pairs):
-    r, c = divmod(i, ncol)
-    grid[r * (h + 4):r * (h + 4) + h, c * (2 * w + 12):c * (2 * w + 12) + p.shape[1]] = p
-  Image.fromarray((np.clip(grid, 0, 1) * 255 + 0.5).astype(np.uint8)).save(path)
-
-
-def _mib(b: Optional[int]) -> str:
-  return '-' if b is None else f'{b / 2 ** 20:.0f}'
-
-
-def table_row(spec: str, base: Run, acc: Run, m: dict) -> str:
-  """One markdown row: fidelity (means; PSNR over the images that differ), speed and memory."""
-  finite = m['psnr'][np.isfinite(m['psnr'])]
-  psnr = f'{finite.mean():.2f}' if finite.size else 'inf'
-  lp = '-' if m['lpips'] is None else f"{np.mean(m['lpips']):.4f}"
-  agree = '-' if m['agreement'] is None else ' '.join(f'{a:.3f}' for a in m['agreement'])
-  return (f"| {spec} | {len(acc.images)} | {int(np.sum(~np.isfinite(m['psnr'])))} | {psnr} | "
-          f"{np.mean(m['ssim']):.4f} | {lp} | {agree} | {base.latency_ms:.2f} | {acc.latency_ms:.2f} | "
-          f'{base.latency_ms / acc.latency_ms:.2f}x | {_mib(base.peak_bytes)} | {_mib(acc.peak_bytes)} | '
-          f'{base.compile_s:.1f} / {acc.compile_s:.1f} |')
-
-
-TABLE_HEAD = ('| policy | images | identical | PSNR dB (others) | SSIM | LPIPS | token agreement per scale | '
-              'baseline ms | accelerated ms | speed-up | baseline peak MiB | accelerated peak MiB | '
-              'compile s (base / acc) |\n' + '| --- ' * 13 + '|')
-
-
-def compare(family: Family, policies: dict, seeds: list[int], labels: np.ndarray, batch: int, out: str,
-            lpips_params=None, grid: int = 16) -> str:
-  """Runs the baseline and each policy; writes summary.md, NAME.json, NAME.png; returns the table."""
-  os.makedirs(out, exist_ok=True)
-  base = run_sampler(family, policy_from_spec('baseline', family.name), seeds, labels, batch)
-  rows = [TABLE_HEAD]
-  for spec, policy in policies.items():
-    acc = run_sampler(family, policy, seeds, labels, batch)
-    m = metrics.summarise(base.images, acc.images, lpips_params)
-    m['agreement'] = None if base.indices is None else metrics.token_agreement(base.indices, acc.indices)
-    name = spec.replace(':', '_').replace('+', '__')
-    save_pairs(base.images[:grid], acc.images[:grid], os.path.join(out, f'{name}.png'))
-    record = {'policy': spec, 'seeds': seeds, 'labels': labels.tolist(), 'options': family.opts, 'batch': batch,
-              **{k: (None if v is None else np.asarray(v).tolist()) for k, v in m.items()},
-              **{f'{who}_{k}': getattr(r, k) for who, r in (('baseline', base), ('accelerated', acc))
-                 for k in ('latency_ms', 'compile_s', 'peak_bytes')}}
-    with open(os.path.join(out, f'{name}.json'), 'w') as f:
-      json.dump(record, f, indent=1, allow_nan=True)
-    rows.append(table_row(spec, base, acc, m))
-  table = '\n'.join(rows)
-  with open(os.path.join(out, 'summary.md'), 'w') as f:
-    f.write(table + '\n')
-  return table
 
 
 def _labels(seeds: list[int], num_classes: int) -> np.ndarray:

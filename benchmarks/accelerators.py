@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from accel import LazyMAR, policy_from_spec
-from accel.compare import peak_bytes
+from accel.fidelity import peak_bytes
 from accel.lazymar_flops import lazymar_sampling_flops, official_extra
 from timing import call_times, device_events, print_top_device_ops
 from var_models.flop_count import flops

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ecar
-from accel.compare import parse_seeds
+from accel.fidelity import parse_seeds
 from accel.families import family_from_config
 from ecar.policy import StagePolicy
 from ecar.sampler import steps_per_stage

@@ -6,13 +6,12 @@ import pathlib
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 from PIL import Image
 
 from accel import ECARConditionCache, FastVAR, LazyMAR, metrics
-from accel.compare import compare, parse_seeds
+from accel.fidelity import compare, parse_seeds
 from accel.families import family_from_config
 from accel.specs import policy_from_spec
 from configs import ecar as ecar_configs
