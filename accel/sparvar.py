@@ -9,10 +9,11 @@ side. Every scale up to the decision scale S runs dense attention in every block
 
   - CS4A at S: dense attention P = softmax(q k^T); per query group of C = `group` consecutive
     queries the column sums of P over the group, and the top k of them, k = int(topk * N_<=S)
-    keys among the N_<=S keys up to S (`pk.top_k_indices`: lax.top_k's set, in index order); the *selected* set is the sink (every token of the first
-    `sink_scales` scales) united with them, deduplicated (a top-k key inside the sink becomes a
-    padding entry: one static count, sink + k). The block caches its top-k indices and
-    O_cache = O_dense - attention renormalised over the selected set, per block and head.
+    keys among the N_<=S keys up to S (`pk.top_k_indices`: lax.top_k's set, in index order); the
+    *selected* set is the sink (every token of the first `sink_scales` scales) united with them,
+    deduplicated (a top-k key inside the sink becomes a padding entry: one static count, sink + k).
+    The block caches its top-k indices and O_cache = O_dense - attention renormalised over the
+    selected set, per block and head.
     (The paper's O_cache subtracts the top-k attention alone; with the sink in the set, as at
     every later scale, O_cache + the sparse term equals the dense output exactly at S.)
   - CS4A at K: query group g of K takes the indices of group round((g + 0.5) G_S / G_K - 0.5)

@@ -90,12 +90,16 @@ def done_shards(directory: str) -> dict[int, str]:
   return {int(m[2]): os.path.join(directory, m[0]) for m in map(_SHARD.fullmatch, names) if m}
 
 
-def _atomic_savez(path: str, **arrays) -> None:
-  """np.savez to a temporary file, then renamed: a reader never sees a half-written file."""
+def _atomic_write(path: str, write, mode: str = 'wb') -> None:
+  """write(file) to a temporary file, then renamed: a reader never sees a half-written file."""
   tmp = os.path.join(os.path.dirname(path), f'.{os.path.basename(path)}.tmp')
-  with open(tmp, 'wb') as f:
-    np.savez(f, **arrays)
+  with open(tmp, mode) as f:
+    write(f)
   os.replace(tmp, path)
+
+
+def _atomic_savez(path: str, **arrays) -> None:
+  _atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
 def sample_shards(family, policy, labels: np.ndarray, batch: int, key, directory: str):
@@ -211,10 +215,7 @@ def merge_results(path: str, rows: dict) -> dict:
       merged = json.load(f)
   for run, row in rows.items():
     merged[run] = {**merged.get(run, {}), **{k: v for k, v in row.items() if v is not None}}
-  tmp = path + '.tmp'
-  with open(tmp, 'w') as f:
-    json.dump(merged, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)
+  _atomic_write(path, lambda f: json.dump(merged, f, indent=1, sort_keys=True), 'w')
   return merged
 
 
