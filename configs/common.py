@@ -61,8 +61,10 @@ def data_config(**overrides) -> ml_collections.ConfigDict:
       crop='center',              # 'center' (ADM center crop) or 'random' (resize to 1.125x, random crop)
       hflip=True,                 # random horizontal flip
       cache_latents=False,        # MAR: encode the dataset once under workdir/latents and reuse
-      workers=8,                  # decoding threads per host
-      prefetch=2,                 # batches prepared ahead
+      # The grain pipeline (train/data/loader.py): `workers` processes per host decode and augment
+      # (0: the training process does), each with `threads` threads, each preparing a whole batch.
+      workers=0,
+      threads=8,
   ))
   c.update(overrides)
   return c

@@ -76,10 +76,17 @@ def test_flip_is_random_per_example_and_reproducible():
   assert all(np.array_equal(a, b) for a, b in zip(flips, again))
 
 
-def _loader(hosts=1, index=0, batch=8, n=20, seed=0):
+def _loader(hosts=1, index=0, batch=8, n=20, seed=0, workers=0):
   ds = synthetic.SyntheticShapes(10, 8, n, seed=0)
-  return Loader(image_examples(ds, 8, 'center', True), n, global_batch=batch, seed=seed,
-                process_index=index, process_count=hosts, workers=2)
+  return Loader(image_examples(ds, 8, 'center', True), n, global_batch=batch, seed=seed, steps=10,
+                process_index=index, process_count=hosts, workers=workers, threads=2)
+
+
+def _take(iterator, count: int) -> list[dict]:
+  try:
+    return [next(iterator) for _ in range(count)]
+  finally:
+    iterator.close()
 
 
 def test_two_hosts_read_disjoint_halves_of_the_single_host_batch():
@@ -101,25 +108,51 @@ def test_each_epoch_is_a_permutation_and_epochs_differ():
   assert not np.array_equal(first, second)
 
 
-def test_iterating_from_a_position_equals_stepping_there():
+def test_two_hosts_with_worker_processes_split_every_epoch_between_them():
+  """Each host's pipeline, in 2 worker processes, over 2 epochs (20 examples, batch 4): within an
+  epoch the hosts never read the same example and together read every one."""
+  seen = []
+  for host in range(2):
+    batches = _take(_loader(hosts=2, index=host, batch=4, workers=2).iterator(0), 10)
+    seen.append(np.concatenate([b['position'] for b in batches]))
+  ld = _loader(batch=4)
+  for epoch in range(2):
+    reads = [ld.stream[int(p)][2] for p in np.sort(np.concatenate(seen)) if p // 20 == epoch]
+    per_host = [{ld.stream[int(p)][2] for p in s if p // 20 == epoch} for s in seen]
+    assert not per_host[0] & per_host[1]
+    assert sorted(reads) == list(range(20))
+
+
+def test_worker_processes_make_the_batches_the_training_process_makes():
   ld = _loader()
-  it = ld.iterate(3)
-  try:
-    for step in (3, 4):
-      got = next(it)
-      want = ld.batch(step)
-      for k in got:
-        np.testing.assert_array_equal(got[k], want[k])
-  finally:
-    it.close()
+  in_process, workers = _take(ld.iterator(2), 3), _take(_loader(workers=2).iterator(2), 3)
+  for step, a, b in zip((2, 3, 4), in_process, workers):
+    np.testing.assert_array_equal(a['position'], ld.local_positions(step))
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
+    np.testing.assert_array_equal(a['image'], ld.batch(step)['image'])
+
+
+def test_a_restored_iterator_state_continues_where_the_saved_one_stopped():
+  ld = _loader(workers=2)
+  it = ld.iterator(1)
+  next(it), next(it)
+  state = it.get_state()
+  want = _take(it, 2)
+  again = ld.iterator(1)
+  again.set_state(state)
+  got = _take(again, 2)
+  for a, b in zip(want, got):
+    np.testing.assert_array_equal(a['position'], b['position'])
+    np.testing.assert_array_equal(a['image'], b['image'])
+  np.testing.assert_array_equal(got[0]['position'], ld.local_positions(3))
 
 
 def test_loader_surfaces_a_failing_example():
   def broken(index, rng):
     raise OSError(f'cannot read example {index}')
-  it = Loader(broken, 10, global_batch=2, seed=0).iterate(0)
   with pytest.raises(OSError, match='cannot read example'):
-    next(it)
+    _take(Loader(broken, 10, global_batch=2, seed=0, steps=5).iterator(0), 1)
 
 
 def test_global_batch_must_divide_over_hosts():

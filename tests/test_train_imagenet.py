@@ -22,9 +22,10 @@ def test_imagenet_batches_are_cropped_deterministic_and_split_over_hosts():
     source = image_source(_config(), 16, 1000)
     assert len(source) == 10 and source.num_classes == 1000
     example = image_examples(source, 16, 'center', True)
-    loaders = [Loader(example, len(source), global_batch=4, seed=0, process_index=i, process_count=2, workers=1)
+    loaders = [Loader(example, len(source), global_batch=4, seed=0, steps=2, process_index=i,
+                      process_count=2, threads=1)
                for i in range(2)]
-    whole = Loader(example, len(source), global_batch=4, seed=0, workers=1).batch(1)
+    whole = Loader(example, len(source), global_batch=4, seed=0, steps=2, threads=1).batch(1)
     halves = [ld.batch(1) for ld in loaders]
   assert whole['image'].shape == (4, 16, 16, 3) and whole['image'].dtype == np.uint8
   assert whole['label'].min() >= 0 and whole['label'].max() < 1000

@@ -70,7 +70,7 @@ def toy_config(**train) -> ml_collections.ConfigDict:
                                 sample_every=3, sample_classes=2, sample_per_class=2, ema_decay=0.9,
                                 sample_metrics=0)
   c.train.update(train)
-  c.data = common.data_config(num_examples=10, workers=1)
+  c.data = common.data_config(num_examples=10, threads=1)
   return c
 
 

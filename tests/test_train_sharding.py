@@ -1,13 +1,11 @@
-"""The mesh and shardings: parameter specs, multi-host start-up, runs on 2 hosts and on 8 devices.
+"""The mesh and shardings: parameter specs, device order over hosts, multi-host start-up, a run on 8 devices.
 
-Both multi-device runs are subprocesses: two processes joined by jax.distributed
-(the coordinator-address set-up), and one process with 8 simulated devices
-(XLA_FLAGS must be set before JAX starts) on a data=4 x fsdp=2 mesh. Each must
-match the same run on this process's one device.
+The 8-device run is a subprocess (XLA_FLAGS must be set before JAX starts) on a
+data=4 x fsdp=2 mesh; it must match the same run on this process's one device.
+Runs of several processes are in test_multihost.py.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from test_train_loop import toy_config, toy_family  # noqa: F401  (the fixture registers the toy family)
-from train import mesh as mesh_lib
+from train import mesh as mesh_lib, multihost
 from train.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,33 +48,6 @@ print(json.dumps(dict(rows=rows, hidden=str(state.params['hidden'].sharding.spec
 '''
 
 
-TWO_HOSTS = r'''
-import json, sys
-sys.path.insert(0, {tests!r})
-import jax, numpy as np
-from train import mesh as mesh_lib
-mesh_lib.initialize_distributed()   # from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
-from test_train_loop import _toy_task, toy_config
-from train import tasks
-from train.trainer import Trainer
-
-tasks.BUILDERS['toy'] = _toy_task
-config = toy_config(batch_size=8, sample_classes=2)
-config.model.width = {wide}
-trainer = Trainer(config, {workdir!r})
-result = trainer.run()
-print(json.dumps(dict(process=jax.process_index(), processes=jax.process_count(), devices=jax.device_count(),
-                      rows=trainer.loader.local_positions(0).tolist(), loss=float(result.last_metrics['loss']),
-                      out=mesh_lib.to_host(result.state.params['out']).tolist())))
-'''
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    return s.getsockname()[1]
-
-
 def test_param_spec_splits_the_largest_divisible_dimension_over_fsdp():
   assert mesh_lib.param_spec((4096, 1024), 2) == P('fsdp', None)
   assert mesh_lib.param_spec((3, 8192), 2) == P(None, 'fsdp')
@@ -93,55 +64,44 @@ def test_mesh_shape_resolves_minus_one_and_names_the_keys():
     mesh_lib.mesh_shape(2, 2, 8)
 
 
+class _Device:
+  def __init__(self, process_index, id):
+    self.process_index, self.id = process_index, id
+
+
+def test_the_mesh_keeps_each_fsdp_group_on_one_host():
+  hosts, per_host = 4, 8
+  devices = [_Device(p, 100 * p + d) for d in range(per_host) for p in range(hosts)]   # interleaved
+  for fsdp in (2, 8):
+    grid = mesh_lib.device_grid(devices, -1, fsdp)
+    assert grid.shape == (hosts * per_host // fsdp, fsdp)
+    assert all(len({d.process_index for d in row}) == 1 for row in grid)
+  spanning = mesh_lib.device_grid(devices, -1, 16)   # larger than a host: two hosts per group
+  assert [sorted({d.process_index for d in row}) for row in spanning] == [[0, 1], [2, 3]]
+
+
+def test_a_slurm_job_started_without_srun_names_the_missing_variables(monkeypatch):
+  monkeypatch.delenv('JAX_COORDINATOR_ADDRESS', raising=False)
+  for key, value in (('SLURM_JOB_ID', '7'), ('SLURM_NTASKS', '4'), ('SLURM_PROCID', '0')):
+    monkeypatch.setenv(key, value)
+  for key in ('SLURM_LOCALID', 'SLURM_STEP_NODELIST'):
+    monkeypatch.delenv(key, raising=False)
+  with pytest.raises(ValueError, match='SLURM_LOCALID, SLURM_STEP_NODELIST not set: start every task with srun'):
+    multihost.initialize()
+
+
 def test_multi_host_start_needs_every_coordinator_variable(monkeypatch):
   monkeypatch.setenv('JAX_COORDINATOR_ADDRESS', 'host0:1234')
   monkeypatch.setenv('JAX_NUM_PROCESSES', '2')
   monkeypatch.delenv('JAX_PROCESS_ID', raising=False)
   with pytest.raises(ValueError, match='JAX_PROCESS_ID must be set'):
-    mesh_lib.initialize_distributed()
+    multihost.initialize()
 
 
 def test_a_single_process_starts_without_the_distributed_runtime(monkeypatch):
   for key in ('JAX_COORDINATOR_ADDRESS', 'SLURM_JOB_ID'):
     monkeypatch.delenv(key, raising=False)
-  mesh_lib.initialize_distributed()  # a no-op: nothing to connect to
-
-
-def test_two_processes_through_jax_distributed_match_one(tmp_path):
-  """Two hosts (processes of one CPU device each) started by the coordinator-address variables:
-  each reads its half of every batch, and they train, checkpoint and sample as one run does."""
-  script = TWO_HOSTS.format(tests=TESTS, wide=WIDE, workdir=str(tmp_path / 'two'))
-  port = _free_port()
-  procs, logs = [], [(tmp_path / f'out{i}', tmp_path / f'err{i}') for i in range(2)]
-  for i, (out, err) in enumerate(logs):
-    env = dict(os.environ, JAX_PLATFORMS='cpu', JAX_COORDINATOR_ADDRESS=f'localhost:{port}',
-               JAX_NUM_PROCESSES='2', JAX_PROCESS_ID=str(i),
-               PYTHONPATH=os.pathsep.join([REPO, os.environ.get('PYTHONPATH', '')]))
-    env.pop('XLA_FLAGS', None)
-    # Files, not pipes: a host blocked on a full pipe would stall the other in a collective.
-    with open(out, 'w') as fo, open(err, 'w') as fe:
-      procs.append(subprocess.Popen([sys.executable, '-c', script], env=env, stdout=fo, stderr=fe))
-  try:
-    for p in procs:
-      p.wait(timeout=240)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for p, (_, err) in zip(procs, logs):
-    assert p.returncode == 0, err.read_text()[-3000:]
-  reports = [json.loads(out.read_text().strip().splitlines()[-1]) for out, _ in logs]
-  assert [(r['process'], r['processes'], r['devices']) for r in reports] == [(0, 2, 2), (1, 2, 2)]
-  assert reports[0]['rows'] == [0, 1, 2, 3] and reports[1]['rows'] == [4, 5, 6, 7]
-  assert sorted(os.listdir(tmp_path / 'two' / 'checkpoints')) == ['2', '4', '6']
-  assert os.path.exists(tmp_path / 'two' / 'samples' / 'step_0000006.png')
-
-  config = toy_config(batch_size=8, sample_classes=0)
-  config.model.width = WIDE
-  one = Trainer(config, str(tmp_path / 'one')).run()
-  for r in reports:
-    np.testing.assert_allclose(r['loss'], one.last_metrics['loss'], rtol=1e-5)
-    np.testing.assert_allclose(r['out'], np.asarray(one.state.params['out']), rtol=1e-4, atol=1e-5)
+  multihost.initialize()  # a no-op: nothing to connect to
 
 
 def test_eight_devices_with_fsdp_match_one_device(tmp_path):

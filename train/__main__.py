@@ -6,16 +6,17 @@ frozen KL VAE from config.vae_ckpt), configs/ecar.py.
 The same command resumes: a --workdir holding checkpoints continues from the
 latest one (parameters, optimizer, EMA, model state, RNG and data position).
 SIGTERM saves a checkpoint and stops. On many hosts, run the same command on
-every host; see train/mesh.py for the SLURM and coordinator-address set-ups.
+every host; see train/multihost.py for the SLURM and coordinator-address set-ups.
 """
 from __future__ import annotations
 
 import logging as pylogging
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from train import mesh as mesh_lib
+from train import multihost
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/{ecar,var,mar}.py:VARIANT', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'where checkpoints, logs and samples go (resumed if present)')
@@ -32,9 +33,18 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.get_absl_handler().addFilter(_QuietOrbax())
-  mesh_lib.initialize_distributed()
+  multihost.initialize(multihost.HEARTBEAT_TIMEOUT.value)
   from train.trainer import Trainer  # after the distributed runtime starts: it touches devices
-  result = Trainer(_CONFIG.value, _WORKDIR.value).run()
+  try:
+    result = Trainer(_CONFIG.value, _WORKDIR.value).run()
+  except jax.errors.JaxRuntimeError as e:
+    if jax.process_count() == 1:
+      raise
+    # A peer that died breaks the collective in flight here; JAX then aborts this process once the
+    # peer's heartbeats have been missing for --heartbeat_timeout seconds.
+    raise RuntimeError(f'process {jax.process_index()} of {jax.process_count()}: {str(e).splitlines()[0]}. '
+                       'Another process has probably died (see its log); this one stops too. The same '
+                       f'command resumes from the last checkpoint in {_WORKDIR.value}') from e
   if result.preempted:
     print(f'stopped at step {int(result.state.step)} on SIGTERM; the same command resumes')
   else:

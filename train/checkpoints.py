@@ -1,8 +1,9 @@
 """Train checkpoints under WORKDIR/checkpoints: orbax CheckpointManager, one step per folder.
 
-Each step holds two items: 'state' (the whole TrainState: params, EMA, optimizer,
-model state, counters, RNG) and 'meta' (JSON: family, step, batch size, the data
-position, the config). Saves are asynchronous; orbax writes a step to a temporary
+Each step holds three items: 'state' (the whole TrainState: params, EMA, optimizer,
+model state, counters, RNG), 'meta' (JSON: family, step, batch size, the data
+position and layout, the config) and 'data' (the grain iterator's state, one JSON
+file per process, written by grain's own orbax handler). Saves are asynchronous; orbax writes a step to a temporary
 folder and renames it when complete, so a run killed mid-save leaves the previous
 step as the latest. Restoring checks the stored tree against the one this config
 builds, and any failure is an error that names the folder: a run never silently
@@ -13,9 +14,9 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+import grain
 import jax
 import orbax.checkpoint as ocp
-
 
 
 class CheckpointError(RuntimeError):
@@ -54,18 +55,28 @@ class Checkpoints:
   def __init__(self, workdir: str, keep: int):
     self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-    handlers = {'state': ocp.StandardCheckpointHandler(), 'meta': ocp.JsonCheckpointHandler()}
+    handlers = {'state': ocp.StandardCheckpointHandler(), 'meta': ocp.JsonCheckpointHandler(),
+                'data': grain.checkpoint.CheckpointHandler()}
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
   def latest_step(self) -> Optional[int]:
     return self.manager.latest_step()
 
-  def save(self, step: int, state, meta: dict) -> None:
-    """Starts an asynchronous save of step `step` (a no-op if it is already on disk)."""
+  def save(self, step: int, state, meta: dict, data: grain.DatasetIterator) -> None:
+    """Starts an asynchronous save of step `step` (a no-op if it is already on disk); `data`'s
+    state is taken now, so it must have yielded exactly the batches of steps < `step`."""
     if step in self.manager.all_steps():
       return
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta)), force=True)
+    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
+                                                    data=grain.checkpoint.CheckpointSave(data)), force=True)
+
+  def restore_data(self, step: int, data: grain.DatasetIterator) -> None:
+    """Sets `data` (built like the saved iterator: same start and workers) to step `step`'s saved state."""
+    where = os.path.join(self.directory, str(step), 'data')
+    try:
+      self.manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data)))
+    except Exception as e:
+      raise CheckpointError(f'cannot restore the data iterator from {where}: {e}') from e
 
   def _stored_meta(self, step: int, where: str) -> dict:
     try:

@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from accel.families import family_from_config
 from accel.specs import policy_from_spec
-from train import mesh as mesh_lib
+from train import multihost
 from train import sampling_flags as sf
 from train.builtin_classifier import BuiltinMetrics
 from train.data import synthetic
@@ -284,7 +284,7 @@ def evaluate_run(family, labels, batch, key, directory, inception, ref, builtin)
 
 def main(argv):
   del argv
-  mesh_lib.initialize_distributed()
+  multihost.initialize(multihost.HEARTBEAT_TIMEOUT.value)
   config = sf.CONFIG.value
   sf.check_family(config)
   _check_flags()

@@ -1,4 +1,4 @@
-"""The device mesh, shardings of the train state and of the batch, and multi-host start-up.
+"""The device mesh, and the shardings of the train state and of the batch.
 
 Every run, from one CPU to many hosts, uses one 2-D mesh with axes ('data', 'fsdp'):
   - the batch is split over both axes (each device sees batch / devices rows);
@@ -6,43 +6,21 @@ Every run, from one CPU to many hosts, uses one 2-D mesh with axes ('data', 'fsd
     dimension that 'fsdp' divides (replicated when none does or the array is small),
     and replicated over 'data'. fsdp = 1 is plain data parallelism.
 
-Multi-host start (`initialize_distributed`, called before anything touches a device):
-  - SLURM: `srun python -m train ...` with one task per host (or per GPU); JAX reads
-    the job from SLURM_* variables (coordinator = first node of SLURM_JOB_NODELIST).
-  - Anywhere else: set on every host
-      JAX_COORDINATOR_ADDRESS=host0:1234  JAX_NUM_PROCESSES=N  JAX_PROCESS_ID=i
-    (i = 0 .. N-1, host0 reachable from all) and start `python -m train ...` on each.
-  - Neither set: a single process with its local devices.
-Every host runs the same command with the same --workdir (a shared file system).
+On many hosts (train/multihost.py starts them) the devices are ordered host by host, so
+an fsdp group is the devices of one host whenever fsdp divides the devices per host: the
+parameter all-gathers stay on the host's own links, the gradient reductions over 'data'
+cross hosts.
 """
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
-from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ('data', 'fsdp')
 BATCH = P(AXES)            # leading (batch) dimension over every device
 REPLICATED = P()
 MIN_SHARDED_SIZE = 2 ** 14  # smaller arrays stay replicated: splitting them saves nothing
-
-
-def initialize_distributed() -> None:
-  """Starts JAX's distributed runtime when the environment describes a multi-process job."""
-  env = os.environ
-  if env.get('JAX_COORDINATOR_ADDRESS'):
-    for key in ('JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'):
-      if not env.get(key, '').isdigit():
-        raise ValueError(f'JAX_COORDINATOR_ADDRESS is set, so {key} must be set to an integer, '
-                         f'got {env.get(key)!r}')
-    jax.distributed.initialize(coordinator_address=env['JAX_COORDINATOR_ADDRESS'],
-                               num_processes=int(env['JAX_NUM_PROCESSES']),
-                               process_id=int(env['JAX_PROCESS_ID']))
-  elif env.get('SLURM_JOB_ID') and int(env.get('SLURM_NTASKS', '1')) > 1:
-    jax.distributed.initialize()
 
 
 def mesh_shape(data: int, fsdp: int, num_devices: int) -> tuple[int, int]:
@@ -57,10 +35,17 @@ def mesh_shape(data: int, fsdp: int, num_devices: int) -> tuple[int, int]:
   return data, fsdp
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
-  devices = jax.devices() if devices is None else devices
+def device_grid(devices, data: int, fsdp: int) -> np.ndarray:
+  """The devices as a [data, fsdp] array, host by host (process index, then device id)."""
   shape = mesh_shape(data, fsdp, len(devices))
-  return Mesh(mesh_utils.create_device_mesh(shape, devices), AXES)
+  ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+  grid = np.empty(len(ordered), object)
+  grid[:] = ordered
+  return grid.reshape(shape)
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
+  return Mesh(device_grid(jax.devices() if devices is None else devices, data, fsdp), AXES)
 
 
 def param_spec(shape: tuple[int, ...], fsdp: int) -> P:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from train import grid as grid_lib
 from train import mesh as mesh_lib
+from train import multihost
 from train import throughput
 from train.builtin_classifier import BuiltinMetrics
 from train.checkpoints import Checkpoints, abstract_like
@@ -98,6 +99,8 @@ class Trainer:
   def __init__(self, config, workdir: str, preemption: Optional[Preemption] = None):
     check_config(config)
     self.config, self.t, self.workdir = config, config.train, os.path.abspath(workdir)
+    multihost.check_same_config(config)
+    multihost.check_shared_workdir(self.workdir)
     self.task: Task = make_task(config)
     self.mesh = mesh_lib.make_mesh(self.t.mesh_data, self.t.mesh_fsdp)
     check_batch(self.t, self.mesh.size)
@@ -108,9 +111,10 @@ class Trainer:
     example, num_examples = make_examples(config, self.task, self.workdir)
     d = config.data
     self.loader = Loader(example, num_examples, global_batch=self.t.batch_size, seed=self.t.seed,
-                         process_index=jax.process_index(), process_count=jax.process_count(),
-                         workers=d.workers, prefetch=d.prefetch)
+                         steps=self.t.steps, process_index=jax.process_index(), process_count=jax.process_count(),
+                         workers=d.workers, threads=d.threads)
     self.ckpts = Checkpoints(self.workdir, self.t.keep_checkpoints)
+    self.resumed: Optional[dict] = None   # the meta of the checkpoint this run resumed from
     try:
       self.state = self._initial_state()
     except Exception:
@@ -126,9 +130,14 @@ class Trainer:
 
   # ---- state ----
 
+  def _data_layout(self) -> dict:
+    """What a saved data iterator state depends on besides the step."""
+    return {'processes': jax.process_count(), 'workers': self.loader.workers}
+
   def _meta(self, step: int) -> dict:
     return {'family': self.config.family, 'step': step, 'batch_size': self.t.batch_size,
             'data_position': step * self.t.batch_size, 'seed': self.t.seed,
+            'data': {'start': self.data_start, **self._data_layout()},
             'config': json.loads(self.config.to_json_best_effort())}
 
   def _initial_state(self) -> TrainState:
@@ -140,12 +149,39 @@ class Trainer:
                                      {'family': self.config.family, 'batch_size': self.t.batch_size,
                                       'seed': self.t.seed})
     logging.info('resumed from step %d (data position %d)', meta['step'], meta['data_position'])
+    self.resumed = meta
     return state
+
+  def _data_iterator(self, step: int):
+    """The data iterator at step `step`: the checkpoint's grain state when this run reads the data as
+    the saved one did (same processes and workers), else a new iterator started at `step`: the
+    stream depends on the step alone, so both give the same batches."""
+    saved = (self.resumed or {}).get('data')
+    if saved and all(saved[k] == v for k, v in self._data_layout().items()):
+      self.data_start = saved['start']
+      data = self.loader.iterator(self.data_start)
+      self.ckpts.restore_data(step, data)
+      return data
+    if saved:
+      logging.info('data read by %s now (saved: %s): the data iterator starts afresh at step %d',
+                   self._data_layout(), saved, step)
+    self.data_start = step
+    return self.loader.iterator(step)
+
+  def _next_batch(self, data, step: int) -> dict:
+    """Step `step`'s batch as global arrays; its rows must be the step's stream positions."""
+    local = dict(next(data))
+    positions, want = local.pop('position'), self.loader.local_positions(step)
+    if not np.array_equal(positions, want):
+      raise RuntimeError(f'the data iterator is at stream positions {positions[0]}..{positions[-1]}, step {step} '
+                         f'reads {want[0]}..{want[-1]}: its restored state does not fit the checkpoint '
+                         f'in {self.ckpts.directory}')
+    return mesh_lib.global_batch(self.mesh, local)
 
   # ---- outputs ----
 
-  def save(self, step: int) -> None:
-    self.ckpts.save(step, self.state, self._meta(step))
+  def save(self, step: int, data) -> None:
+    self.ckpts.save(step, self.state, self._meta(step), data)
 
   def sample_grid(self, step: int) -> Optional[str]:
     """A PNG grid (and TensorBoard image) of EMA samples, one row per class; for a tokenizer,
@@ -245,8 +281,8 @@ class Trainer:
     t = self.t
     if start >= t.steps:
       return Result(self.state, {}, False, {})
-    batches = self.loader.iterate(start)
-    first = mesh_lib.global_batch(self.mesh, next(batches))
+    data = self._data_iterator(start)
+    first = self._next_batch(data, start)
     step_fn, _, flops = compile_train_step(self.task, self.tx, self.schedule, t, self.mesh, self.shardings,
                                     self.state, self.frozen, first)
     meter = _Meter(t, flops,
@@ -256,7 +292,7 @@ class Trainer:
     pending, last, preempted = None, {}, False
     try:
       for step in range(start, t.steps):
-        batch = first if step == start else mesh_lib.global_batch(self.mesh, next(batches))
+        batch = first if step == start else self._next_batch(data, step)
         self.state, metrics = step_fn(self.state, self.frozen, batch)
         if pending is not None:   # the previous step's metrics: fetching them does not stall this one
           last = self._after_step(*pending, meter, bar)
@@ -266,14 +302,14 @@ class Trainer:
         if checkpoint or sample:
           last, pending = self._after_step(*pending, meter, bar), None
           if checkpoint:
-            self.save(done)
+            self.save(done, data)
           if sample:
             self.sample_grid(done)
           meter.restart()
         if self.preemption(done):
           if pending is not None:
             last, pending = self._after_step(*pending, meter, bar), None
-          self.save(done)
+          self.save(done, data)
           preempted = True
           logging.warning('preempted: saved step %d; run the same command to resume', done)
           break
@@ -283,7 +319,7 @@ class Trainer:
         self.export()
     finally:
       bar.close()
-      batches.close()
+      data.close()
     return Result(self.state, last, preempted, self.sample_scores)
 
   def _after_step(self, step: int, metrics, meter: '_Meter', bar) -> dict:

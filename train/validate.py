@@ -62,7 +62,8 @@ def check_train(t) -> None:
 def check_data(d, family: str) -> None:
   _check(d.source in SOURCES, 'data.source', d.source, f'one of {SOURCES}')
   _check(d.crop in CROPS, 'data.crop', d.crop, f'one of {CROPS}')
-  _ints(d, 'data', 1, ('num_examples', 'workers', 'prefetch'))
+  _ints(d, 'data', 1, ('num_examples', 'threads'))
+  _ints(d, 'data', 0, ('workers',))
   _check(isinstance(d.hflip, bool), 'data.hflip', d.hflip, 'True or False')
   if d.source == 'folder':
     _check(bool(d.path), 'data.path', d.path, 'the image folder (one sub-folder per class)')

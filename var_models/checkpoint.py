@@ -20,10 +20,11 @@ _PARAMS = 'params'
 def save_params(directory: str, params: Any, meta: Optional[dict] = None) -> None:
   directory = os.path.abspath(directory)
   os.makedirs(directory, exist_ok=True)
-  with ocp.StandardCheckpointer() as ckptr:
+  with ocp.StandardCheckpointer() as ckptr:   # on many hosts, every host calls this together
     ckptr.save(os.path.join(directory, _PARAMS), params, force=True)
-  with open(os.path.join(directory, _META), 'w') as f:
-    json.dump(meta or {}, f, indent=2, sort_keys=True)
+  if jax.process_index() == 0:
+    with open(os.path.join(directory, _META), 'w') as f:
+      json.dump(meta or {}, f, indent=2, sort_keys=True)
 
 
 def load_meta(directory: str) -> dict:
@@ -57,10 +58,13 @@ def _restore(directory: str, check) -> Any:
   path = os.path.join(os.path.abspath(directory), _PARAMS)
   if not os.path.isdir(path):
     raise FileNotFoundError(f'no parameter checkpoint at {path}')
+  # Whole onto this process's first device, however many hosts and devices wrote the checkpoint.
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   with ocp.StandardCheckpointer() as ckptr:
     stored = ckptr.metadata(path)
     target = check(getattr(stored, 'item_metadata', stored))
-    return ckptr.restore(path, jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target))
+    return ckptr.restore(path, jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                                      sharding=device), target))
 
 
 def load_params(directory: str, abstract: Any) -> Any:

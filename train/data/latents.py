@@ -87,12 +87,31 @@ def cached_latent_examples(config, task, source, workdir: str):
   if meta['num_examples'] != n:
     raise ValueError(f'{directory} caches {meta["num_examples"]} examples, the dataset has {n}: '
                      'delete it to encode again')
-  parts = meta['parts']
-  moments = [np.load(os.path.join(directory, f'moments-{p}.npy'), mmap_mode='r') for p in range(parts)]
-  labels = [np.load(os.path.join(directory, f'labels-{p}.npy')) for p in range(parts)]
+  return CachedLatents(directory, meta['parts'], d.hflip), n
 
-  def example(index, rng):
-    part, row = index % parts, index // parts
-    flip = int(d.hflip and rng.random() < 0.5)
-    return {'moments': np.array(moments[part][row, flip]), 'label': labels[part][row]}
-  return example, n
+
+class CachedLatents:
+  """example(index, rng) -> {'moments' [h, w, 2C], 'label'} from the parts in `directory`.
+
+  The arrays are memory-mapped on first use in each process: a data worker receives the
+  paths, not the data.
+  """
+
+  def __init__(self, directory: str, parts: int, hflip: bool):
+    self.directory, self.parts, self.hflip = directory, parts, hflip
+    self._moments = self._labels = None
+
+  def __getstate__(self) -> dict:
+    return {**self.__dict__, '_moments': None, '_labels': None}
+
+  def _open(self) -> None:
+    path = lambda name, p: os.path.join(self.directory, f'{name}-{p}.npy')
+    self._moments = [np.load(path('moments', p), mmap_mode='r') for p in range(self.parts)]
+    self._labels = [np.load(path('labels', p)) for p in range(self.parts)]
+
+  def __call__(self, index: int, rng: np.random.Generator) -> dict:
+    if self._moments is None:
+      self._open()
+    part, row = index % self.parts, index // self.parts
+    flip = int(self.hflip and rng.random() < 0.5)
+    return {'moments': np.array(self._moments[part][row, flip]), 'label': self._labels[part][row]}
