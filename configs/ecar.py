@@ -118,7 +118,7 @@ def _tiny() -> ml_collections.ConfigDict:
   # against 85 %, at the same cost (benchmarks/RESULTS.md, built-in data).
   c.train.update(steps=600, batch_size=32, lr=2e-3, warmup_steps=30, ema_decay=0.99, grad_clip=1.0,
                  log_every=20, ckpt_every=200, sample_every=200, sample_per_class=2, sample_classes=10)
-  c.data.update(source='synthetic', num_examples=5000, crop='center', hflip=False, threads=2)
+  c.data.update(source='synthetic', num_examples=5000, crop='center', hflip=False, workers=0, threads=2)
   return c
 
 

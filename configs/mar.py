@@ -61,7 +61,7 @@ def _tiny() -> ml_collections.ConfigDict:
   c.sample.update(num_iter=8, cfg=3.0, num_diffusion_steps=10, batch_size=8)
   c.train.update(steps=200, batch_size=32, lr=1e-3, warmup_steps=20, ema_decay=0.99, log_every=10,
                  ckpt_every=100, sample_every=100, sample_per_class=2, sample_classes=10)
-  c.data.update(source='synthetic', num_examples=2000, threads=2)
+  c.data.update(source='synthetic', num_examples=2000, workers=0, threads=2)
   return c
 
 

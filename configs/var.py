@@ -104,7 +104,7 @@ def _tiny() -> ml_collections.ConfigDict:
   c.sample.update(cfg=1.5, top_k=0, top_p=1.0, batch_size=8)
   c.train.update(steps=200, batch_size=32, lr=1e-3, warmup_steps=20, log_every=10, ckpt_every=100,
                  sample_every=100, sample_per_class=2, sample_classes=10)
-  c.data.update(source='synthetic', num_examples=2000, crop='center', threads=2)
+  c.data.update(source='synthetic', num_examples=2000, crop='center', workers=0, threads=2)
   return c
 
 
@@ -116,7 +116,7 @@ def _small256() -> ml_collections.ConfigDict:
   c.sample.update(cfg=1.5, top_k=900, top_p=0.96, batch_size=10)
   c.train.update(steps=1500, batch_size=64, lr=5e-4, warmup_steps=200, log_every=100, ckpt_every=1500,
                  sample_every=1500, sample_per_class=2, sample_classes=10)
-  c.data.update(source='synthetic', num_examples=50_000, crop='center', threads=16)
+  c.data.update(source='synthetic', num_examples=50_000, crop='center', workers=0, threads=16)
   return c
 
 

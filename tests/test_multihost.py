@@ -9,17 +9,14 @@ devices on the same (data 2, fsdp 2) mesh, global batch and seed.
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from test_train_loop import _tensorboard_scalars
+from train import launch
+from train.summaries import read_scalars
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 12
 SMALL = ['--config.train.batch_size=8', '--config.train.log_every=1', '--config.train.ckpt_every=1000',
          '--config.train.sample_classes=0', '--config.train.mesh_fsdp=2', '--config.data.threads=1']
@@ -27,78 +24,17 @@ ECAR = ['--config=configs/ecar.py:tiny', f'--config.train.steps={STEPS}', '--con
 VAR = ['--config=configs/var.py:tiny', '--config.train.steps=3', *SMALL]
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
-def _coordinator_env(port: int, i: int, n: int) -> dict:
-  return {'JAX_COORDINATOR_ADDRESS': f'127.0.0.1:{port}', 'JAX_NUM_PROCESSES': str(n), 'JAX_PROCESS_ID': str(i)}
-
-
-def _slurm_env(port: int, i: int, n: int) -> dict:
-  """What `srun --ntasks=n` sets on one node (the port pinned so parallel tests do not meet)."""
-  return {'SLURM_JOB_ID': '4242', 'SLURM_NTASKS': str(n), 'SLURM_PROCID': str(i), 'SLURM_LOCALID': str(i),
-          'SLURM_STEP_NODELIST': 'localhost', 'SLURM_STEP_NUM_NODES': '1', 'JAX_COORDINATOR_PORT': str(port)}
-
-
-class Job:
-  """n processes of `python *run *args`, each with 4 / n CPU devices, logs in workdir/logs."""
-
-  def __init__(self, workdir, args, n=2, launch=_coordinator_env, per_process=None, run=('-m', 'train')):
-    self.logs = workdir / 'logs'
-    self.logs.mkdir(parents=True, exist_ok=True)
-    port, self.procs = _free_port(), []
-    for i in range(n):
-      env = {k: v for k, v in os.environ.items() if not k.startswith(('SLURM_', 'JAX_', 'XLA_'))}
-      env.update(JAX_PLATFORMS='cpu', JAX_NUM_CPU_DEVICES=str(4 // n),
-                 PYTHONPATH=os.pathsep.join([REPO, os.environ.get('PYTHONPATH', '')]))
-      if n > 1:
-        env.update(launch(port, i, n))
-      extra = per_process[i] if per_process else [f'--workdir={workdir}']
-      # Files, not pipes: a process blocked on a full pipe would stall the other in a collective.
-      with open(self.logs / f'out{i}', 'a') as out, open(self.logs / f'err{i}', 'a') as err:
-        self.procs.append(subprocess.Popen([sys.executable, *run, *args, *extra], cwd=REPO, env=env,
-                                           stdout=out, stderr=err, start_new_session=True))
-
-  def err(self, i: int) -> str:
-    return (self.logs / f'err{i}').read_text()
-
-  def out(self, i: int) -> str:
-    return (self.logs / f'out{i}').read_text()
-
-  def signal(self, i: int, sig) -> None:
-    os.killpg(self.procs[i].pid, sig)   # the process and its grain workers, as a scheduler does
-
-  def wait_for_step(self, step: int, timeout: float = 300) -> None:
-    """Until process 0's progress bar shows `step` steps taken."""
-    deadline = time.monotonic() + timeout
-    while f' {step}/' not in self.err(0):
-      assert all(p.poll() is None for p in self.procs), self.err(0)[-3000:]
-      assert time.monotonic() < deadline, 'no progress'
-      time.sleep(0.05)
-
-  def wait(self, timeout: float = 300) -> list[int]:
-    try:
-      for p in self.procs:
-        p.wait(timeout=max(1.0, timeout))
-    finally:
-      for p in self.procs:
-        if p.poll() is None:
-          os.killpg(p.pid, signal.SIGKILL)
-          p.wait()
-    return [p.returncode for p in self.procs]
-
-  def succeed(self, timeout: float = 300) -> None:
-    codes = self.wait(timeout)
-    for i, code in enumerate(codes):
-      assert code == 0, self.err(i)[-3000:]
+def _job(workdir, args, n=2, launch_env=launch.coordinator_env, per_process=None, run=('-m', 'train')):
+  """n processes of `python *run *args *per_process[i]` with 4 / n CPU devices each (default per-process
+  arguments: --workdir=workdir); logs in workdir/logs."""
+  per_process = per_process or [[f'--workdir={workdir}']] * n
+  env = {'JAX_PLATFORMS': 'cpu', 'JAX_NUM_CPU_DEVICES': str(4 // n), 'XLA_FLAGS': ''}
+  return launch.Job(workdir / 'logs', [[*run, *args, *extra] for extra in per_process], [env] * n, launch_env)
 
 
 def _losses(workdir) -> dict:
   """{step: loss} from the run's TensorBoard events (a resumed run's later values win)."""
-  return dict(_tensorboard_scalars(workdir / 'tensorboard')['loss'])
+  return dict(read_scalars(str(workdir / 'tensorboard'))['loss'])
 
 
 def _assert_same_losses(got: dict, want: dict, steps) -> None:
@@ -110,7 +46,7 @@ def _assert_same_losses(got: dict, want: dict, steps) -> None:
 def one_process(tmp_path_factory):
   """The E-CAR run as 1 process of 4 devices: {step: loss}."""
   workdir = tmp_path_factory.mktemp('one')
-  Job(workdir, ECAR, n=1).succeed()
+  _job(workdir, ECAR, n=1).succeed(timeout=300)
   return _losses(workdir)
 
 
@@ -119,16 +55,16 @@ def preempted(tmp_path_factory):
   """The E-CAR run as 2 processes (coordinator address), SIGTERM to both after step 3, then the
   same commands under SLURM's variables to the end."""
   workdir = tmp_path_factory.mktemp('two')
-  job = Job(workdir, ECAR)
-  job.wait_for_step(3)
+  job = _job(workdir, ECAR)
+  job.wait_for_step(3, timeout=300)
   for i in range(2):
     job.signal(i, signal.SIGTERM)
-  job.succeed()
+  job.succeed(timeout=300)
   outs = [job.out(i) for i in range(2)]
   checkpoints = sorted(os.listdir(workdir / 'checkpoints'))
   data_files = sorted(os.listdir(workdir / 'checkpoints' / checkpoints[-1] / 'data'))
   losses_before = _losses(workdir)
-  Job(workdir, ECAR, launch=_slurm_env).succeed()
+  _job(workdir, ECAR, launch_env=launch.slurm_env).succeed(timeout=300)
   return dict(workdir=workdir, outs=outs, checkpoints=checkpoints, data_files=data_files,
               losses_before=losses_before, losses=_losses(workdir))
 
@@ -153,8 +89,8 @@ def test_the_exported_params_are_written_once_and_load_with_train_sample(preempt
   workdir = preempted['workdir']
   assert json.loads((workdir / 'meta.json').read_text())['step'] == STEPS
   out = workdir / 'grid.png'
-  Job(workdir, ['--config=configs/ecar.py:tiny', '--config.sample.num_steps=3', f'--ckpt={workdir}',
-                '--labels=0,1', f'--out={out}'], n=1, per_process=[[]], run=('-m', 'train.sample')).succeed()
+  _job(workdir, ['--config=configs/ecar.py:tiny', '--config.sample.num_steps=3', f'--ckpt={workdir}',
+                '--labels=0,1', f'--out={out}'], n=1, per_process=[[]], run=('-m', 'train.sample')).succeed(timeout=300)
   assert out.stat().st_size > 0
 
 
@@ -184,8 +120,8 @@ print(json.dumps({'positions': positions, 'examples': examples}))
 def test_two_processes_split_every_epoch_between_them(tmp_path):
   """Each process's pipeline (worker processes) over 2 epochs of 40 examples at global batch 8: within an
   epoch no example is read by both and together they read every one."""
-  job = Job(tmp_path, [str(tmp_path)], per_process=[[], []], run=('-c', EPOCH_READER))
-  job.succeed()
+  job = _job(tmp_path, [str(tmp_path)], per_process=[[], []], run=('-c', EPOCH_READER))
+  job.succeed(timeout=300)
   reads = [json.loads(job.out(i).strip().splitlines()[-1]) for i in range(2)]
   for epoch in range(2):
     per_process = [{e for p, e in zip(r['positions'], r['examples']) if p // 40 == epoch} for r in reads]
@@ -194,8 +130,8 @@ def test_two_processes_split_every_epoch_between_them(tmp_path):
 
 
 def test_a_killed_process_makes_the_other_exit_with_an_error_naming_it(tmp_path):
-  job = Job(tmp_path, [*ECAR, '--config.train.steps=10000', '--heartbeat_timeout=10'])
-  job.wait_for_step(2)
+  job = _job(tmp_path, [*ECAR, '--config.train.steps=10000', '--heartbeat_timeout=10'])
+  job.wait_for_step(2, timeout=300)
   job.signal(1, signal.SIGKILL)
   start = time.monotonic()
   code = job.wait(timeout=120)[0]
@@ -205,22 +141,22 @@ def test_a_killed_process_makes_the_other_exit_with_an_error_naming_it(tmp_path)
 
 
 def test_tiny_var_on_two_processes_takes_the_steps_of_one(tmp_path):
-  Job(tmp_path / 'one', VAR, n=1).succeed()
-  Job(tmp_path / 'two', VAR).succeed()
+  _job(tmp_path / 'one', VAR, n=1).succeed(timeout=300)
+  _job(tmp_path / 'two', VAR).succeed(timeout=300)
   _assert_same_losses(_losses(tmp_path / 'two'), _losses(tmp_path / 'one'), range(1, 4))
 
 
 def test_processes_with_different_configs_stop_naming_the_key(tmp_path):
-  job = Job(tmp_path, ECAR, per_process=[[f'--workdir={tmp_path}'],
+  job = _job(tmp_path, ECAR, per_process=[[f'--workdir={tmp_path}'],
                                          [f'--workdir={tmp_path}', '--config.train.lr=0.01']])
-  assert job.wait() != [0, 0]
+  assert job.wait(timeout=300) != [0, 0]
   assert 'processes [1] run another config than process 0' in job.err(0)
   assert 'here config.train.lr=0.01, on process 0 0.002' in job.err(1)
 
 
 def test_a_workdir_that_is_not_shared_stops_every_process(tmp_path):
   workdirs = [tmp_path / 'a', tmp_path / 'b']
-  job = Job(tmp_path, ECAR, per_process=[[f'--workdir={w}'] for w in workdirs])
-  assert job.wait() != [0, 0]
+  job = _job(tmp_path, ECAR, per_process=[[f'--workdir={w}'] for w in workdirs])
+  assert job.wait(timeout=300) != [0, 0]
   for i, workdir in enumerate(workdirs):
     assert f'--workdir={workdir} is not shared: processes [1] do not see the file process 0 wrote' in job.err(i)

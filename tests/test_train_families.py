@@ -24,7 +24,7 @@ def small_var():
   c.model.update(depth=1, width=32)
   c.train.update(steps=3, batch_size=4, warmup_steps=1, log_every=1, sample_every=3, sample_classes=2,
                  sample_per_class=1, sample_metrics=0)
-  c.data.update(num_examples=12, workers=1)
+  c.data.update(num_examples=12, workers=0, threads=1)
   return c
 
 
@@ -37,7 +37,7 @@ def small_vqvae():
   c.loss.update(disc_layers=1, disc_channels=8, disc_start=1)
   c.train.update(steps=3, batch_size=4, warmup_steps=1, log_every=1, sample_every=3, sample_classes=2,
                  sample_per_class=1)
-  c.data.update(num_examples=12, workers=1)
+  c.data.update(num_examples=12, workers=0, threads=1)
   return c
 
 
@@ -48,7 +48,7 @@ def small_mar():
   c.vae.update(ch_mult=(1, 1))
   c.sample.update(num_iter=2, num_diffusion_steps=2)
   c.train.update(steps=2, batch_size=4, warmup_steps=1, log_every=1, sample_every=100, sample_classes=0)
-  c.data.update(num_examples=12, workers=1)
+  c.data.update(num_examples=12, workers=0, threads=1)
   return c
 
 
@@ -83,7 +83,7 @@ def test_vqvae_trains_shows_reconstructions_and_exports_the_tokenizer_var_loads(
 
 def test_mar_tiny_trains_on_cached_latents_and_reuses_them(tmp_path):
   config = small_mar()
-  config.data.cache_latents = True
+  config.data.update(cache_latents=True, workers=1)   # the cached latents reach a worker process by path
   trainer = Trainer(config, str(tmp_path))
   cache = tmp_path / 'latents' / 'synthetic-train-4px'
   stamp = os.path.getmtime(cache / 'moments-0.npy')
@@ -117,7 +117,7 @@ def small_ecar():
   c.image_size = 8
   c.model.update(num_stages=2, ar_depth=1, ar_width=32, ar_heads=2, den_depth=1, den_width=32, den_heads=2)
   c.train.update(steps=2, batch_size=4, warmup_steps=1, log_every=1, sample_every=100, sample_classes=0)
-  c.data.update(num_examples=12, workers=1)
+  c.data.update(num_examples=12, workers=0, threads=1)
   return c
 
 

@@ -9,7 +9,6 @@ import dataclasses
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 
@@ -19,11 +18,11 @@ import ml_collections
 import numpy as np
 import pytest
 from PIL import Image
-from tensorboardX.proto import event_pb2
 
 from configs import common
 from train import builtin_classifier, tasks
 from train.checkpoints import CheckpointError, Checkpoints
+from train.summaries import read_scalars
 from train.tasks import Task, to_unit_range
 from train.trainer import Preemption, Trainer, TrainingDiverged
 
@@ -70,7 +69,7 @@ def toy_config(**train) -> ml_collections.ConfigDict:
                                 sample_every=3, sample_classes=2, sample_per_class=2, ema_decay=0.9,
                                 sample_metrics=0)
   c.train.update(train)
-  c.data = common.data_config(num_examples=10, threads=1)
+  c.data = common.data_config(num_examples=10, workers=0, threads=1)
   return c
 
 
@@ -120,24 +119,11 @@ def test_a_run_keeps_the_last_checkpoints_and_writes_grids(runs):
   assert Checkpoints(runs['full_dir'], 3).manager.all_steps() == [2, 4, 6]
 
 
-def _tensorboard_scalars(logdir) -> dict:
-  """{tag: [(step, value), ...]} from the event files (TFRecords of Event protos)."""
-  scalars = {}
-  for path in sorted(logdir.iterdir()):
-    with open(path, 'rb') as f:
-      while header := f.read(12):   # length, its CRC
-        event = event_pb2.Event.FromString(f.read(struct.unpack('<Q', header[:8])[0]))
-        f.read(4)   # the data's CRC
-        for v in event.summary.value:
-          scalars.setdefault(v.tag, []).append((event.step, v.simple_value))
-  return scalars
-
-
 @pytest.mark.filterwarnings('ignore:Matrix is singular')   # the toy's samples are flat colours
 def test_each_grid_scores_its_samples_on_the_built_in_data(tmp_path, monkeypatch):
   monkeypatch.setattr(builtin_classifier, 'TRAIN_STEPS', 5)
   result = Trainer(toy_config(sample_metrics=3), str(tmp_path)).run()
-  scalars = _tensorboard_scalars(tmp_path / 'tensorboard')
+  scalars = read_scalars(str(tmp_path / 'tensorboard'))
   accuracy, distance = scalars['samples/class_accuracy'], scalars['samples/frechet_distance']
   assert [s for s, _ in accuracy] == [s for s, _ in distance] == [3, 6]
   assert all(0 <= v <= 1 for _, v in accuracy) and all(np.isfinite(v) and v >= 0 for _, v in distance)

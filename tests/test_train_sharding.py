@@ -90,6 +90,21 @@ def test_a_slurm_job_started_without_srun_names_the_missing_variables(monkeypatc
     multihost.initialize()
 
 
+@pytest.mark.parametrize('tasks, nodes, devices', [('4', '4', []), ('8', '1', None)])
+def test_a_slurm_task_per_node_keeps_every_gpu_of_its_node(monkeypatch, tasks, nodes, devices):
+  """One task per node drives all of the node's GPUs (JAX alone would pin it to GPU SLURM_LOCALID);
+  one task per GPU is left to JAX."""
+  calls = []
+  monkeypatch.setattr(multihost.jax.distributed, 'initialize', lambda **kw: calls.append(kw))
+  monkeypatch.delenv('JAX_COORDINATOR_ADDRESS', raising=False)
+  for key in multihost.SLURM_KEYS:
+    monkeypatch.setenv(key, '0')
+  monkeypatch.setenv('SLURM_NTASKS', tasks)
+  monkeypatch.setenv('SLURM_STEP_NUM_NODES', nodes)
+  multihost.initialize(7)
+  assert calls[0].get('local_device_ids') == devices and calls[0]['heartbeat_timeout_seconds'] == 7
+
+
 def test_multi_host_start_needs_every_coordinator_variable(monkeypatch):
   monkeypatch.setenv('JAX_COORDINATOR_ADDRESS', 'host0:1234')
   monkeypatch.setenv('JAX_NUM_PROCESSES', '2')

@@ -16,7 +16,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from train import multihost
+from train import multihost, throughput
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/{ecar,var,mar}.py:VARIANT', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'where checkpoints, logs and samples go (resumed if present)')
@@ -49,6 +49,9 @@ def main(argv):
     print(f'stopped at step {int(result.state.step)} on SIGTERM; the same command resumes')
   else:
     print(f'done: {_WORKDIR.value} holds the checkpoints, samples/ and the exported EMA params')
+  memory = throughput.peak_memory_gib()
+  if memory is not None:
+    print(f'process {jax.process_index()}: peak device memory {memory:.2f} GiB')
   scores = result.sample_scores
   if scores:
     print(f"samples at step {scores['step']}, scored by the built-in data's classifier: class accuracy "

@@ -1,9 +1,10 @@
 """Many hosts: starting JAX's distributed runtime, and checking that the hosts run one job.
 
 Every host runs the same command with the same --workdir on a shared file system:
-  - SLURM, one task per host (or per GPU):
+  - SLURM, one task per host (it drives all of the host's GPUs and runs one data pipeline):
       srun --nodes=N --ntasks-per-node=1 python -m train --config ... --workdir /shared/run
-    JAX reads the job from SLURM_JOB_ID, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID and
+    or one task per GPU (--ntasks-per-node=8, every GPU visible to every task: task k takes
+    GPU k). JAX reads the job from SLURM_JOB_ID, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID and
     SLURM_STEP_NODELIST (srun sets them; the coordinator is the step's first node, on port
     61440 + SLURM_JOB_ID % 4096 unless JAX_COORDINATOR_PORT is set).
   - Anywhere else, on host i of N (host0 reachable from all):
@@ -49,7 +50,11 @@ def initialize(heartbeat_timeout_s: int = 100) -> None:
     if missing:
       raise ValueError(f'a SLURM job of {env["SLURM_NTASKS"]} tasks, but {", ".join(missing)} not set: '
                        'start every task with srun (sbatch alone runs the script once)')
-    jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s)
+    # JAX's SLURM detection runs one process per GPU: it shows this one only GPU SLURM_LOCALID. With
+    # one task per node the process drives all of the node's GPUs, which an empty device list keeps.
+    nodes = int(env.get('SLURM_STEP_NUM_NODES') or env.get('SLURM_NNODES') or 0)
+    whole_node = {'local_device_ids': []} if int(env['SLURM_NTASKS']) == nodes else {}
+    jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s, **whole_node)
 
 
 def _flat(tree, prefix: str = '') -> dict:

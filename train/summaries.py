@@ -6,6 +6,7 @@ tensorboardX writes the event files without TensorFlow; view them with
 from __future__ import annotations
 
 import os
+import struct
 
 import numpy as np
 
@@ -40,3 +41,18 @@ class Summaries:
   def close(self) -> None:
     if self.writer is not None:
       self.writer.close()
+
+
+def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
+  """{tag: [(step, value), ...]} from the event files in `logdir` (TFRecords of Event protos), oldest
+  file first: a resumed run's values follow the first run's."""
+  from tensorboardX.proto import event_pb2
+  scalars: dict[str, list[tuple[int, float]]] = {}
+  for name in sorted(os.listdir(logdir)):
+    with open(os.path.join(logdir, name), 'rb') as f:
+      while header := f.read(12):   # length, its CRC
+        event = event_pb2.Event.FromString(f.read(struct.unpack('<Q', header[:8])[0]))
+        f.read(4)   # the data's CRC
+        for v in event.summary.value:
+          scalars.setdefault(v.tag, []).append((event.step, v.simple_value))
+  return scalars

@@ -1,4 +1,4 @@
-"""FLOPs of a step and the device's peak, for images/s and MFU."""
+"""FLOPs of a step and the device's peak, for images/s and MFU; the devices' peak memory."""
 from __future__ import annotations
 
 from typing import Optional
@@ -22,3 +22,11 @@ def mfu(flops_per_step: Optional[float], steps_per_s: float, peak: Optional[floa
   if not flops_per_step or not peak:
     return None
   return flops_per_step * steps_per_s / peak
+
+
+def peak_memory_gib() -> Optional[float]:
+  """The highest peak of memory in use on this process's devices, GiB (None where devices keep no
+  statistics, as the CPU)."""
+  peaks = [(d.memory_stats() or {}).get('peak_bytes_in_use') for d in jax.local_devices()]
+  peaks = [p for p in peaks if p is not None]
+  return max(peaks) / 2 ** 30 if peaks else None

@@ -47,7 +47,9 @@ class TrainingDiverged(RuntimeError):
 class Preemption:
   """SIGTERM (or, across hosts, JAX's preemption notice) asks the run to save and stop.
 
-  A context manager: the SIGTERM handler is installed for the run only.
+  A context manager: the SIGTERM handler is installed for the run only. On many hosts JAX's own
+  handler (installed by jax.distributed.initialize) feeds its preemption service, which picks one
+  step for every host; a Python handler installed after it would silence it, so none is.
   """
 
   def __init__(self):
@@ -370,5 +372,8 @@ class _Meter:
       mfu = throughput.mfu(self.flops, steps_per_s, self.peak)
       if mfu is not None:
         out['perf/mfu'] = mfu
+    memory = throughput.peak_memory_gib()
+    if memory is not None:
+      out['perf/peak_memory_gib'] = memory
     self.restart()
     return out
