@@ -10,7 +10,8 @@ seed 0, the loss logged every step, no checkpoints but the preemption's:
   3. run 2 again, SIGTERM to every process (its whole session) after --preempt_at steps, then
      the same commands to the end.
 Printed: the largest relative difference of the N-process losses from the one-process ones
-(run 2) and of the resumed run's from run 2's (run 3); images/s and MFU of runs 1 and 2
+(run 2) and of the resumed run's from run 2's (run 3: after the preemption, and before it as
+the floor that GPU reductions, not deterministic, set); images/s and MFU of runs 1 and 2
 (medians of the per-step TensorBoard values after --warmup steps); each process's peak GPU
 memory. --gpus 1 runs 1 and the preemption of 3 on one process (N processes need N GPUs).
 --cpu runs the same on CPU devices (JAX_NUM_CPU_DEVICES) to try the script anywhere.
@@ -80,7 +81,7 @@ def main():
   one_dir = os.path.join(base, 'one')
   one = job(args, one_dir, 1)
   one.succeed(args.timeout)
-  rows.append((f'1 process x {n} devices', report(args, one_dir, one)))
+  rows.append((f'1 process x {n} device{"s" * (n > 1)}', report(args, one_dir, one)))
   if n > 1:
     many_dir = os.path.join(base, 'many')
     many = job(args, many_dir, n)
@@ -108,7 +109,9 @@ def main():
   if n > 1:
     print(f'losses, {n} processes against 1: max relative difference {max_relative(rows[1][1]["losses"], rows[0][1]["losses"], steps):.2e}')
   print(f'preempted at step {stopped} and resumed: max relative difference of steps {stopped + 1}..{args.steps} '
-        f'from the uninterrupted run {max_relative(resumed, reference, range(stopped + 1, args.steps + 1)):.2e}')
+        f'from the uninterrupted run {max_relative(resumed, reference, range(stopped + 1, args.steps + 1)):.2e}; '
+        f'of steps 1..{stopped}, before the preemption (the run-to-run floor: GPU reductions are not '
+        f'deterministic) {max_relative(resumed, reference, range(1, stopped + 1)):.2e}')
   print('losses:', ' '.join(f'{reference[s]:.5f}' for s in steps))
 
 

@@ -6,6 +6,7 @@ does besides the model itself is exercised; test_train_families.py runs the real
 families' tiny configs.
 """
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -108,6 +109,21 @@ def test_resume_after_preemption_equals_the_uninterrupted_run(runs):
     _assert_trees_close(getattr(second.state, name), getattr(full.state, name))
   np.testing.assert_array_equal(second.state.rng, full.state.rng)
   assert int(second.state.model_state['seen']) == STEPS * 4
+
+
+def test_a_resume_with_other_data_workers_starts_the_stream_at_the_step(runs, tmp_path):
+  """The checkpoint holds grain's iterator state and what it depends on; that state fits only its
+  worker count, so with another the stream starts afresh at the step, with the same batches."""
+  Trainer(toy_config(), str(tmp_path), preemption=StopAt(3)).run()
+  data = tmp_path / 'checkpoints' / '3' / 'data' / 'process_0-of-1.json'
+  assert json.loads(data.read_text()) == {'next_index': 3}   # started at step 0, it made steps 0, 1, 2
+  meta = json.loads((tmp_path / 'checkpoints' / '3' / 'meta' / 'metadata').read_text())
+  assert meta['data'] == {'start': 0, 'processes': 1, 'workers': 0}
+  config = toy_config()
+  config.data.workers = 1
+  second = Trainer(config, str(tmp_path)).run()
+  assert int(second.state.step) == STEPS
+  _assert_trees_close(second.state.params, runs['full'].state.params)
 
 
 def test_a_run_keeps_the_last_checkpoints_and_writes_grids(runs):
