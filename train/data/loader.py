@@ -10,9 +10,10 @@ a step's global batch is the same on any number of hosts and workers.
 The grain pipeline (`Loader.dataset`): a MapDataset whose element s is this host's
 rows of step s (each example decoded and augmented, then stacked), made by
 `threads` threads in each of `workers` worker processes (0: in the training
-process), each thread a whole batch. Element s is the same whichever worker makes it, so the output is too;
-each row carries its stream 'position', which the trainer checks against its step.
-The iterator's state (grain's) goes into every checkpoint (`train.checkpoints`).
+process), each thread a whole batch. Element s is the same whichever worker makes
+it, so the output is too; each row carries its stream 'position', which the trainer
+checks against its step. The iterator's state (grain's) goes into every checkpoint
+(`train.checkpoints`).
 """
 from __future__ import annotations
 
