@@ -6,7 +6,9 @@
   python -m accel.compare --config configs/ecar.py:tiny --ckpt runs/demo --policy ecarcache:every_2
 
 Any VAR, MAR or E-CAR checkpoint `python -m train.sample` loads (converted weights or a training
-workdir); without --ckpt the weights are random, which shows speed only. Seed s samples with
+workdir); without --ckpt the weights are random, which shows speed only. The config, checkpoint,
+batch and sampling flags (--top_k, --temperature, --num_steps, ...) are train.sample's
+(`accel.sampling_flags`); --batch_size defaults to 1, the papers' latency setting. Seed s samples with
 key(s) (with --batch_size b > 1, each group of b seeds shares the key of its first) and label
 --labels[i % n] (default: s mod num_classes). The baseline and every --policy (comma separated;
 'a+b' composes VAR policies) run on the same keys and labels; per image, PSNR, SSIM and LPIPS
@@ -23,26 +25,19 @@ from __future__ import annotations
 import jax
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
 from accel import metrics
+from accel import sampling_flags as sf
 from accel.families import family_from_config
 from accel.fidelity import compare, parse_seeds
 from accel.specs import policy_from_spec
 from var_models.nn.checks import check_labels
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/{var,mar,ecar}.py:VARIANT', lock_config=True)
-_CKPT = flags.DEFINE_string('ckpt', None, 'checkpoint directory; none = random weights (speed only)')
 _POLICY = flags.DEFINE_list('policy', None, "policies, e.g. fastvar:infinity_2b ('a+b' composes), "
                             'lazymar:official, ecarcache:every_2')
 _SEEDS = flags.DEFINE_string('seeds', '0-15', "seeds, e.g. '0-63' or '0,5,9-12'")
 _LABELS = flags.DEFINE_list('labels', None, 'class labels, cycled over the seeds (default: seed mod classes)')
 _CFG = flags.DEFINE_float('cfg', None, 'guidance scale (default: the config\'s sample.cfg / sample.cfg_scale)')
-_TOP_K = flags.DEFINE_integer('top_k', None, 'VAR: top-k, 0 = off (default: config.sample.top_k)')
-_TOP_P = flags.DEFINE_float('top_p', None, 'VAR: top-p in (0, 1] (default: config.sample.top_p)')
-_NUM_ITER = flags.DEFINE_integer('num_iter', None, 'MAR: iterations (default: config.sample.num_iter)')
-_NUM_STEPS = flags.DEFINE_integer('num_steps', None, 'MAR: diffusion steps; E-CAR: Euler steps in all')
-_BATCH = flags.DEFINE_integer('batch_size', 1, 'images per sampler call')
 _LPIPS = flags.DEFINE_string('lpips', None, 'LPIPS params directory (python -m var_models.convert lpips)')
 _OUT = flags.DEFINE_string('out', 'compare', 'output directory')
 _GRID = flags.DEFINE_integer('grid', 16, 'image pairs in each PNG grid')
@@ -63,22 +58,22 @@ def _labels(seeds: list[int], num_classes: int) -> np.ndarray:
 
 def main(argv):
   del argv
-  config = _CONFIG.value
-  overrides = dict(cfg=_CFG.value, top_k=_TOP_K.value, top_p=_TOP_P.value, num_iter=_NUM_ITER.value,
-                   num_steps=_NUM_STEPS.value)
-  if _BATCH.value <= 0:
-    raise ValueError(f'--batch_size must be positive, got {_BATCH.value}')
+  config = sf.CONFIG.value
+  sf.check_family(config)
+  if sf.SEED.value is not None:
+    raise ValueError("--seed: accel.compare samples each of --seeds (e.g. '0-63') with its own key")
+  batch = sf.batch_size(1)   # the papers' latencies are of one image
   if not _POLICY.value:
     raise ValueError('--policy: name at least one policy, e.g. fastvar:var256, lazymar:official, ecarcache:every_2')
   seeds = parse_seeds(_SEEDS.value)
-  family = family_from_config(config, _CKPT.value, overrides)
+  family = family_from_config(config, sf.CKPT.value, sf.overrides(config.family, _CFG.value))
   labels = _labels(seeds, family.num_classes)
   policies = {spec: policy_from_spec(spec, family.name) for spec in _POLICY.value}
   for policy in policies.values():   # settings that do not fit the model fail here, before compiling
     family.make(policy)
   lpips_params = metrics.load_lpips(_LPIPS.value) if _LPIPS.value else None
-  print(f'device: {jax.devices()[0].device_kind}; {len(seeds)} images, batch {_BATCH.value}, {family.opts}', flush=True)
-  print(compare(family, policies, seeds, labels, _BATCH.value, _OUT.value, lpips_params, _GRID.value))
+  print(f'device: {jax.devices()[0].device_kind}; {len(seeds)} images, batch {batch}, {family.opts}', flush=True)
+  print(compare(family, policies, seeds, labels, batch, _OUT.value, lpips_params, _GRID.value))
 
 
 if __name__ == '__main__':

@@ -111,3 +111,15 @@ def test_command_line_rejects_a_preset_that_does_not_fit_before_compiling(tmp_pa
   res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
   assert res.returncode != 0 and 'FastVAR.ratios: scale 32 is not in the schedule' in res.stderr
   assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize('flag, error', [
+    ('--seed=3', "--seed: accel.compare samples each of --seeds"),
+    ('--temperature=0.9', "--temperature applies to MAR configs, not to config.family='var'"),
+])
+def test_command_line_shares_the_sampling_flags_and_their_checks(tmp_path, flag, error):
+  cmd = [sys.executable, '-m', 'accel.compare', '--config', 'configs/var.py:tiny', '--policy', 'fastvar:tiny',
+         '--out', str(tmp_path), flag]
+  res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert res.returncode != 0 and error in res.stderr
+  assert not os.listdir(tmp_path)

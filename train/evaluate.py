@@ -48,7 +48,7 @@ from tqdm import tqdm
 from accel.families import family_from_config
 from accel.specs import policy_from_spec
 from train import multihost
-from train import sampling_flags as sf
+from accel import sampling_flags as sf
 from train.builtin_classifier import BuiltinMetrics
 from train.data import synthetic
 from train.metrics import Statistics, feature_statistics, frechet_distance, inception_score, precision_recall
@@ -288,7 +288,7 @@ def main(argv):
   config = sf.CONFIG.value
   sf.check_family(config)
   _check_flags()
-  batch, cfgs, out = sf.batch_size(config), _cfg_values(), _OUT.value
+  batch, cfgs, out = sf.batch_size(config.sample.batch_size), _cfg_values(), _OUT.value
   key = jax.random.key(sf.pick(sf.SEED, config.sample.seed))
   pkey, key = jax.random.split(key)
   family = family_from_config(config, sf.CKPT.value, sf.overrides(config.family, cfgs[0]), pkey)

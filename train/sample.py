@@ -25,7 +25,7 @@ import jax
 from accel.families import family_from_config
 from accel.specs import policy_from_spec
 from train import grid as grid_lib
-from train import sampling_flags as sf
+from accel import sampling_flags as sf
 from var_models.nn.checks import check_labels
 
 _OUT = flags.DEFINE_string('out', 'samples/grid.png', 'where to write the PNG grid')
@@ -49,7 +49,7 @@ def main(argv):
   del argv
   config = sf.CONFIG.value
   sf.check_family(config)
-  batch = sf.batch_size(config)
+  batch = sf.batch_size(config.sample.batch_size)
   num_classes = config.model.class_num if config.family == 'mar' else config.num_classes
   labels = _labels(num_classes, batch)
   check_labels(labels, num_classes)

@@ -1,5 +1,6 @@
-"""The flags `python -m train.sample` and `python -m train.evaluate` share: the config, the checkpoint, the
-seed, the batch and each family's sampling settings, with their checks. Importing this module defines them.
+"""The flags the sampling CLIs share (`python -m train.sample`, `python -m train.evaluate`,
+`python -m accel.compare`): the config, the checkpoint, the seed, the batch and each family's
+sampling settings, with their checks. Importing this module defines them.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/{var,mar,ecar}
 CKPT = flags.DEFINE_string('ckpt', None, 'checkpoint directory (from `python -m var_models.convert`) or '
                            'training workdir (`python -m train`)')
 SEED = flags.DEFINE_integer('seed', None, 'random seed')
-BATCH = flags.DEFINE_integer('batch_size', None, 'images per compiled call')
+BATCH = flags.DEFINE_integer('batch_size', None, 'images per compiled call (default: config.sample.batch_size; '
+                            'accel.compare: 1)')
 TOP_K = flags.DEFINE_integer('top_k', None, 'VAR: top-k, 0 = off')
 TOP_P = flags.DEFINE_float('top_p', None, 'VAR: top-p in (0, 1], 1 = off')
 NUM_ITER = flags.DEFINE_integer('num_iter', None, 'MAR: iterations')
@@ -52,8 +54,8 @@ def overrides(family: str, cfg) -> dict:
               temperature=TEMP.value, cfg_schedule=SCHEDULE.value, num_steps=steps.value)
 
 
-def batch_size(config) -> int:
-  batch = pick(BATCH, config.sample.batch_size)
+def batch_size(default: int) -> int:
+  batch = pick(BATCH, default)
   if batch <= 0:
     raise ValueError(f'--batch_size must be positive, got {batch}')
   return batch
