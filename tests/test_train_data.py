@@ -1,4 +1,10 @@
 """Training data: the built-in shapes, the image folder, crops, deterministic per-host batches."""
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -8,6 +14,8 @@ from train.data.folder import ImageFolder
 from train.data.loader import Loader
 from train.data.sources import image_examples
 from train.data.transforms import center_crop, preprocess, random_crop
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _foreground(img: np.ndarray) -> np.ndarray:
@@ -179,3 +187,44 @@ def test_image_folder_errors_name_the_key(tmp_path):
     ImageFolder(str(tmp_path / 'missing'))
   with pytest.raises(ValueError, match='no class sub-folders'):
     ImageFolder(str(tmp_path))
+
+
+_KILLED_PARENT = '''
+import os, sys, time
+import numpy as np
+sys.path.insert(0, os.getcwd())
+from train.data.loader import Loader
+
+def example(index, rng):
+  return {'pid': np.int64(os.getpid())}
+
+if __name__ == '__main__':
+  data = Loader(example, 8, global_batch=2, seed=0, steps=1000, workers=2, threads=1).iterator(0)
+  print(' '.join(str(p) for p in sorted({int(p) for _ in range(6) for p in next(data)['pid']})), flush=True)
+  time.sleep(600)
+'''
+
+
+def _running(pid: int) -> bool:
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+  except FileNotFoundError:
+    return False
+
+
+@pytest.mark.skipif(not os.path.isdir('/proc'), reason='reads process states from /proc')
+def test_worker_processes_exit_when_the_training_process_is_killed_alone(tmp_path):
+  script = tmp_path / 'train.py'
+  script.write_text(_KILLED_PARENT)
+  proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+  try:
+    workers = [int(p) for p in proc.stdout.readline().split()]
+    assert len(workers) == 2 and proc.pid not in workers and all(map(_running, workers))
+  finally:
+    proc.kill()   # SIGKILL to the training process only, as the OOM killer sends it
+    proc.wait()
+  deadline = time.monotonic() + 20
+  while any(map(_running, workers)) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  assert not any(map(_running, workers))

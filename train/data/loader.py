@@ -18,7 +18,10 @@ checks against its step. The iterator's state (grain's) goes into every checkpoi
 from __future__ import annotations
 
 import functools
+import os
 import signal
+import threading
+import time
 from typing import Callable
 
 import grain
@@ -29,10 +32,20 @@ from absl import flags
 ExampleFn = Callable[[int, np.random.Generator], dict]
 
 
-def _ignore_sigterm(worker_index: int, worker_count: int) -> None:
-  """A scheduler's SIGTERM reaches the workers too; the training process saves, then stops them."""
+def _exit_with_parent(parent: int) -> None:
+  while os.getppid() == parent:
+    time.sleep(1.0)
+  os._exit(1)
+
+
+def _init_worker(worker_index: int, worker_count: int) -> None:
+  """A scheduler's SIGTERM reaches the workers too: they ignore it, since the training process saves,
+  then stops them. A training process killed alone (SIGKILL, the OOM killer) cannot stop them, and
+  grain's workers would live on, holding their memory and shared-memory batches: each exits within
+  a second of its parent (the multiprocessing resource tracker then frees their batches)."""
   del worker_index, worker_count
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
 
 
 def _grain_flags_parsed() -> None:
@@ -139,5 +152,5 @@ class Loader:
     reading = grain.ReadOptions(num_threads=self.threads, prefetch_buffer_size=self.threads)
     ds = self.dataset(start).to_iter_dataset(reading)
     if self.workers:
-      ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers), worker_init_fn=_ignore_sigterm)
+      ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers), worker_init_fn=_init_worker)
     return iter(ds)
