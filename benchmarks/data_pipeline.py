@@ -2,6 +2,7 @@
 images/s over worker processes, and (with --train) whether a train step ever waits for it.
 
   python benchmarks/data_pipeline.py --workers 0,1,2                       # CPU: decoding
+  python benchmarks/data_pipeline.py --workers 0,2 --imagenet              # also through tfds (`data` extra)
   python benchmarks/data_pipeline.py --workers 0,8,15 --train ecar:B      # GPU host: feeding
 
 The benchmark writes --images JPEGs into --dir (one folder per class, ImageNet's usual
@@ -13,6 +14,9 @@ natural-image-like spectra at quality 90, so files weigh about as much as ImageN
 2. The pipeline (`train.data.loader.Loader` on the folder, host batch --batch) with each
    --workers count: images/s over --batches batches in steady state; and on cached latents
    (E-CAR-B's shape, memory-mapped as `data.cache_latents` reads them) in the training process.
+   With --imagenet, the same JPEGs also go through tfds: written as ILSVRC2012 tars, prepared as
+   `imagenet2012` (ArrayRecord), read and decoded by tfds as config.data.source='imagenet' reads
+   them: per core and through the pipeline.
 3. --train FAMILY:VARIANT: `python -m train`'s Trainer on the folder at --train_batch images
    (its frozen tokenizer random), --train_steps steps: step time and the time each step
    waited for its batch (median and max after the first --warmup steps), from the JPEGs
@@ -32,6 +36,7 @@ import numpy as np
 from PIL import Image
 
 from train.data.folder import ImageFolder
+from train.data.imagenet import ImageNet, write_manual_tars
 from train.data.latents import CachedLatents
 from train.data.loader import Loader
 from train.data.sources import image_examples
@@ -67,14 +72,27 @@ def write_jpegs(directory: str, count: int, classes: int = 10, seed: int = 0) ->
   return float(np.mean(sizes)) / 1024
 
 
-def per_core(folder: ImageFolder, size: int, crop: str) -> float:
-  """Images/s of decode + augment in this process alone."""
+def prepare_imagenet(folder: ImageFolder, directory: str) -> ImageNet:
+  """The folder's JPEGs as tfds' imagenet2012 (class k of the folder is class k of its label list),
+  prepared under directory/tfds from tars in directory/manual."""
+  import tensorflow_datasets as tfds
+  wnids = tfds.builder('imagenet2012').info.features['label'].names
+  train = {}
+  for path, label in zip(folder.files, folder.labels):
+    with open(path, 'rb') as f:
+      train.setdefault(wnids[label], []).append((f'{wnids[label]}_{os.path.basename(path)}', f.read()))
+  write_manual_tars(os.path.join(directory, 'manual'), train, [train[wnids[0]][0][1]])
+  return ImageNet(os.path.join(directory, 'tfds'), os.path.join(directory, 'manual'), 'train')
+
+
+def per_core(source, size: int, crop: str) -> float:
+  """Images/s of reading, decoding and augmenting every image of `source` in this process alone."""
   rng = np.random.default_rng(0)
   t0 = time.perf_counter()
-  for i in range(len(folder)):
-    img, _ = folder.load(i)
+  for i in range(len(source)):
+    img, _ = source.load(i)
     preprocess(img, size, crop, True, rng)
-  return len(folder) / (time.perf_counter() - t0)
+  return len(source) / (time.perf_counter() - t0)
 
 
 def pipeline_rate(example, num_examples: int, batch: int, workers: int, threads: int, batches: int) -> float:
@@ -159,6 +177,7 @@ def main():
   p.add_argument('--batches', type=int, default=60)
   p.add_argument('--workers', default='0,1,2', help='worker process counts to measure')
   p.add_argument('--threads', type=int, default=2, help='threads per process')
+  p.add_argument('--imagenet', action='store_true', help='also through tfds imagenet2012 (needs the data extra)')
   p.add_argument('--train', default='', help='FAMILY:VARIANT whose train step the pipeline feeds')
   p.add_argument('--train_batch', type=int, default=32)
   p.add_argument('--train_steps', type=int, default=60)
@@ -167,20 +186,24 @@ def main():
   with tempfile.TemporaryDirectory() as tmp:
     directory = args.dir or tmp
     kb = write_jpegs(directory, args.images)
-    folder = ImageFolder(directory)
-    print(f'{len(folder)} JPEGs, mean {kb:.0f} KB; {os.cpu_count()} cores')
-    print('| per core | images/s |\n| --- | ---: |')
-    for crop in ('center', 'random'):
-      print(f'| decode + {crop} crop {args.size} px + flip | {per_core(folder, args.size, crop):.0f} |')
-    print('\n| pipeline workers | threads | host batch | images/s |\n| ---: | ---: | ---: | ---: |')
+    sources = {'JPEG files': ImageFolder(directory)}
+    if args.imagenet:
+      sources['tfds imagenet2012'] = prepare_imagenet(sources['JPEG files'], os.path.join(tmp, 'imagenet'))
+    print(f"{len(sources['JPEG files'])} JPEGs, mean {kb:.0f} KB; {os.cpu_count()} cores")
+    print('| per core | source | images/s |\n| --- | --- | ---: |')
+    for name, source in sources.items():
+      for crop in ('center', 'random'):
+        print(f'| decode + {crop} crop {args.size} px + flip | {name} | {per_core(source, args.size, crop):.0f} |')
+    print('\n| pipeline workers | source | threads | host batch | images/s |\n| ---: | --- | ---: | ---: | ---: |')
     counts = [int(w) for w in args.workers.split(',')]
-    example = image_examples(folder, args.size, 'center', True)
-    for workers in counts:
-      rate = pipeline_rate(example, len(folder), args.batch, workers, args.threads, args.batches)
-      print(f'| {workers} | {args.threads} | {args.batch} | {rate:.0f} |', flush=True)
+    for name, source in sources.items():
+      example = image_examples(source, args.size, 'center', True)
+      for workers in counts:
+        rate = pipeline_rate(example, len(source), args.batch, workers, args.threads, args.batches)
+        print(f'| {workers} | {name} | {args.threads} | {args.batch} | {rate:.0f} |', flush=True)
     latents = cached_latents(os.path.join(tmp, 'latents'), 4096)
     rate = pipeline_rate(latents, 4096, args.batch, 0, args.threads, args.batches)
-    print(f'| 0 (cached latents [32, 32, 8]) | {args.threads} | {args.batch} | {rate:.0f} |', flush=True)
+    print(f'| 0 | cached latents [32, 32, 8] | {args.threads} | {args.batch} | {rate:.0f} |', flush=True)
     if args.train:
       print(f'\n| {args.train} input | workers | step ms | images/s | wait median ms | wait max ms | '
             'steps waiting > 1 ms |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |')

@@ -6,17 +6,18 @@ ILSVRC2012_img_val.tar (JPEGs named ILSVRC2012_val_NNNNNNNN.JPEG, labelled by tf
 these tars, so that CI, which has no TensorFlow, reads a really prepared dataset. Preparing needs
 the `data` extra; to make it again:
 
-  python tests/imagenet_tars.py tests/data/tfds
+  python -m tests.imagenet_tars tests/data/tfds
 """
 from __future__ import annotations
 
 import io
 import os
 import sys
-import tarfile
 
 import numpy as np
 from PIL import Image
+
+from train.data.imagenet import ImageNet, write_manual_tars
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'tfds')
 WNIDS = ('n01440764', 'n01443537')   # classes 0 and 1 of imagenet2012's label list
@@ -43,33 +44,15 @@ def _jpeg(img: np.ndarray) -> bytes:
   return out.getvalue()
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-  info = tarfile.TarInfo(name)
-  info.size = len(data)
-  tar.addfile(info, io.BytesIO(data))
-
-
 def write_tars(manual_dir: str) -> None:
-  os.makedirs(manual_dir, exist_ok=True)
-  files = train_files()
-  with tarfile.open(os.path.join(manual_dir, 'ILSVRC2012_img_train.tar'), 'w') as train:
-    for label, wnid in enumerate(WNIDS):
-      inner = io.BytesIO()
-      with tarfile.open(fileobj=inner, mode='w') as per_class:
-        for name, (img, lab) in files.items():
-          if lab == label:
-            _add(per_class, name, _jpeg(img))
-      _add(train, f'{wnid}.tar', inner.getvalue())
-  with tarfile.open(os.path.join(manual_dir, 'ILSVRC2012_img_val.tar'), 'w') as val:
-    for i in range(VALIDATION):
-      _add(val, f'ILSVRC2012_val_{i + 1:08d}.JPEG', _jpeg(pixels(100 + i, SIZES[i])))
+  train = {wnid: [] for wnid in WNIDS}
+  for name, (img, label) in train_files().items():
+    train[WNIDS[label]].append((name, _jpeg(img)))
+  write_manual_tars(manual_dir, train, [_jpeg(pixels(100 + i, SIZES[i])) for i in range(VALIDATION)])
 
 
 if __name__ == '__main__':
   import tempfile
-
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from train.data.imagenet import ImageNet
 
   with tempfile.TemporaryDirectory() as tmp:
     write_tars(tmp)

@@ -8,6 +8,10 @@ several hosts, process 0 prepares while the others wait, so data_dir must be sha
 """
 from __future__ import annotations
 
+import io
+import os
+import tarfile
+
 import jax
 
 NAME = 'imagenet2012'
@@ -51,3 +55,27 @@ class ImageNet:
     """(uint8 [H, W, 3], label) of example `index`."""
     ex = self.source[index]
     return ex['image'], int(ex['label'])
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+  info = tarfile.TarInfo(name)
+  info.size = len(data)
+  tar.addfile(info, io.BytesIO(data))
+
+
+def write_manual_tars(manual_dir: str, train: dict[str, list[tuple[str, bytes]]], validation: list[bytes]) -> None:
+  """A miniature ImageNet as tfds' imagenet2012 builder reads it (tests, benchmarks): `train`, {WordNet
+  id: [(file name, JPEG bytes)]}, as ILSVRC2012_img_train.tar (one inner tar per class, named by its id),
+  and `validation` as ILSVRC2012_img_val.tar (ILSVRC2012_val_00000001.JPEG, ...), which the builder
+  always reads and labels by its own list."""
+  os.makedirs(manual_dir, exist_ok=True)
+  with tarfile.open(os.path.join(manual_dir, 'ILSVRC2012_img_train.tar'), 'w') as tar:
+    for wnid, files in train.items():
+      inner = io.BytesIO()
+      with tarfile.open(fileobj=inner, mode='w') as per_class:
+        for name, data in files:
+          _add(per_class, name, data)
+      _add(tar, f'{wnid}.tar', inner.getvalue())
+  with tarfile.open(os.path.join(manual_dir, 'ILSVRC2012_img_val.tar'), 'w') as tar:
+    for i, data in enumerate(validation):
+      _add(tar, f'ILSVRC2012_val_{i + 1:08d}.JPEG', data)
