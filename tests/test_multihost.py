@@ -1,4 +1,5 @@
-"""`python -m train` as 2 processes of 2 CPU devices each, joined by JAX's distributed runtime.
+"""`python -m train` (and `python -m train.evaluate`) as 2 processes of 2 CPU devices each, joined by
+JAX's distributed runtime.
 
 The runs use the two launch recipes of train/multihost.py: the coordinator-address
 variables, and SLURM's variables (faked here as srun would set them). Each process
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from train import launch
+from train.builtin_classifier import BuiltinMetrics
 from train.summaries import read_scalars
 
 STEPS = 12
@@ -140,10 +142,36 @@ def test_a_killed_process_makes_the_other_exit_with_an_error_naming_it(tmp_path)
   assert 'Another process has probably died' in err and 'Task 1 heartbeat timeout' in err
 
 
-def test_tiny_var_on_two_processes_takes_the_steps_of_one(tmp_path):
-  _job(tmp_path / 'one', VAR, n=1).succeed(timeout=300)
-  _job(tmp_path / 'two', VAR).succeed(timeout=300)
+def test_tiny_var_on_two_processes_takes_the_steps_of_one_and_scores_its_samples(tmp_path):
+  grids = [*VAR, '--config.train.sample_classes=3']   # process 0 trains the built-in classifier alone
+  _job(tmp_path / 'one', grids, n=1).succeed(timeout=300)
+  job = _job(tmp_path / 'two', grids)
+  job.succeed(timeout=300)
   _assert_same_losses(_losses(tmp_path / 'two'), _losses(tmp_path / 'one'), range(1, 4))
+  assert os.listdir(tmp_path / 'two' / 'samples') == ['step_0000003.png']
+  assert "samples at step 3, scored by the built-in data's classifier" in job.out(0)
+
+
+def test_evaluate_on_two_processes_writes_each_shard_once_as_one_process_does(tmp_path):
+  """Process 0 samples call 0, process 1 calls 1 and 2, then process 0 alone scores them all."""
+  args = ['--config=configs/var.py:tiny', '--per_class=2', '--batch_size=8', '--seed=3']
+  outs = {n: tmp_path / f'{n}' / 'out' for n in (1, 2)}
+  _job(tmp_path / '1', [*args, '--nobuiltin'], n=1, per_process=[[f'--out={outs[1]}']],
+       run=('-m', 'train.evaluate')).succeed(timeout=300)
+  _job(tmp_path / '2', args, per_process=[[f'--out={outs[2]}']] * 2, run=('-m', 'train.evaluate')).succeed(timeout=300)
+  shards = sorted(n for n in os.listdir(outs[2] / 'cfg_1.5') if n.endswith('.npz'))
+  assert shards == ['samples_0_00000.npz', 'samples_1_00001.npz', 'samples_1_00002.npz']
+  images = []
+  for name in shards:
+    with np.load(outs[2] / 'cfg_1.5' / name) as two, np.load(outs[1] / 'cfg_1.5' / f'samples_0_{name[-9:]}') as one:
+      np.testing.assert_array_equal(two['arr_0'], one['arr_0'])
+      np.testing.assert_array_equal(two['arr_1'], one['arr_1'])
+      images.append(one['arr_0'])
+  scores = BuiltinMetrics.load_or_train(str(outs[2]), 32, 10).evaluate(
+      np.concatenate(images) / np.float32(255), np.repeat(np.arange(10), 2))
+  row = json.loads((outs[2] / 'results.json').read_text())['cfg_1.5']
+  assert row['images'] == 20 and row['class_accuracy'] == scores['class_accuracy']
+  np.testing.assert_allclose(row['frechet_distance'], scores['frechet_distance'], rtol=1e-6)
 
 
 def test_processes_with_different_configs_stop_naming_the_key(tmp_path):

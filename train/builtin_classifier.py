@@ -14,7 +14,7 @@ same at any resolution. It trains on images freshly drawn at that resolution, ea
 position, size, rotation and colour jitter, mirrored half the time (a flip changes only the
 crescent, and configs train with and without flips).
 
-WORKDIR/builtin_classifier/ holds its parameters (var_models.checkpoint) and, in meta.json, the
+WORKDIR/builtin_classifier/ holds its parameters (params.msgpack) and, in meta.json, the
 resolution, seed and steps they were trained with: other settings retrain it (and drop the
 reference statistics next to it). reference_{S}px_{C}classes.npz: the feature statistics of the
 first REFERENCE_SIZE images of the model's own training data (its resolution, classes and seed).
@@ -22,6 +22,7 @@ first REFERENCE_SIZE images of the model's own training data (its resolution, cl
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import time
@@ -33,8 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
+from flax import serialization
 
 from train.data import synthetic
+from train.files import atomic_savez, atomic_write
 from train.metrics import Statistics, feature_statistics, frechet_distance
 from var_models import checkpoint
 
@@ -46,6 +49,7 @@ REFERENCE_SIZE = 2000   # images behind the reference statistics (features are N
 NUM_FEATURES = 64
 _CHUNK = 500            # images per forward pass when featurising many
 _STREAM = 0xC1A55       # the training images' seeds, apart from the dataset's (seed, index)
+_PARAMS = 'params.msgpack'
 
 
 class ShapeColourNet(nn.Module):
@@ -109,17 +113,25 @@ def train_classifier(size: int, seed: int, steps: int):
 
 
 def _load_or_train_params(directory: str, size: int, seed: int, steps: int):
+  """The classifier's params, trained once per settings. Kept in msgpack, written by this process alone:
+  on many hosts only process 0 scores samples, so it cannot take part in a collective orbax save."""
   settings = {'input_size': size, 'seed': seed, 'steps': steps}
+  path = os.path.join(directory, _PARAMS)
   meta = checkpoint.load_meta(directory)
-  if {k: meta.get(k) for k in settings} == settings:
+  if os.path.exists(path) and {k: meta.get(k) for k in settings} == settings:
     abstract = jax.eval_shape(ShapeColourNet().init, jax.random.key(0), jnp.zeros((1, size, size, 3)))['params']
-    return checkpoint.load_params(directory, abstract)
+    with open(path, 'rb') as f:
+      params = serialization.msgpack_restore(f.read())
+    checkpoint.check_tree(abstract, params, path)
+    return params
   if meta:
     logging.info('the built-in classifier in %s was trained with %s; retraining with %s', directory, meta, settings)
   shutil.rmtree(directory, ignore_errors=True)   # its reference statistics go with it
   start = time.perf_counter()
   params = train_classifier(size, seed, steps)
-  checkpoint.save_params(directory, params, settings)
+  os.makedirs(directory)
+  atomic_write(path, lambda f: f.write(serialization.msgpack_serialize(jax.device_get(params))))
+  atomic_write(os.path.join(directory, 'meta.json'), lambda f: json.dump(settings, f), 'w')
   logging.info('trained the built-in classifier at %d px in %.1f s', size, time.perf_counter() - start)
   return params
 
@@ -145,7 +157,7 @@ def _reference(path: str, params, image_size: int, num_classes: int, seed: int) 
   logging.info('built-in classifier: class accuracy %.4f on the %d reference images',
                np.mean(log_probs.argmax(1) == np.array(labels)), len(labels))
   stats = feature_statistics(features)
-  np.savez(path, mu=stats.mu, sigma=stats.sigma)
+  atomic_savez(path, mu=stats.mu, sigma=stats.sigma)
   return stats
 
 

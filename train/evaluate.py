@@ -14,7 +14,7 @@ samples_{host}_{index:05d}.npz (arr_0: uint8 [N, H, W, 3], arr_1: int32 labels),
 file and renamed, so a killed run resumes: shards already there (whichever host wrote them) are skipped;
 the run's settings (settings.json beside them) must be the same, else it is an error.
 Call `index` samples with fold_in(key, index), so every shard is the same whether or not the run was
-cut. Each process (train/mesh.py starts multi-host runs) samples its contiguous share of the calls.
+cut. Each process (train/multihost.py starts multi-host runs) samples its contiguous share of the calls.
 
 Metrics, on process 0 once every shard exists:
   --ref and --inception: Inception features (`python -m var_models.convert inception`) of the samples;
@@ -45,12 +45,13 @@ from absl import app, flags
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
+from accel import sampling_flags as sf
 from accel.families import family_from_config
 from accel.specs import policy_from_spec
 from train import multihost
-from accel import sampling_flags as sf
 from train.builtin_classifier import BuiltinMetrics
 from train.data import synthetic
+from train.files import atomic_savez, atomic_write
 from train.metrics import Statistics, feature_statistics, frechet_distance, inception_score, precision_recall
 from var_models.convert.inception import load_inception
 
@@ -90,18 +91,6 @@ def done_shards(directory: str) -> dict[int, str]:
   return {int(m[2]): os.path.join(directory, m[0]) for m in map(_SHARD.fullmatch, names) if m}
 
 
-def _atomic_write(path: str, write, mode: str = 'wb') -> None:
-  """write(file) to a temporary file, then renamed: a reader never sees a half-written file."""
-  tmp = os.path.join(os.path.dirname(path), f'.{os.path.basename(path)}.tmp')
-  with open(tmp, mode) as f:
-    write(f)
-  os.replace(tmp, path)
-
-
-def _atomic_savez(path: str, **arrays) -> None:
-  _atomic_write(path, lambda f: np.savez(f, **arrays))
-
-
 def sample_shards(family, policy, labels: np.ndarray, batch: int, key, directory: str):
   """Writes this host's missing shards of `labels`; returns seconds per image (see the docstring) or None."""
   host, done = jax.process_index(), done_shards(directory)
@@ -115,7 +104,7 @@ def sample_shards(family, policy, labels: np.ndarray, batch: int, key, directory
     images = np.asarray(sample(*args, **kwargs)[0])[:len(chunk)]
     times.append((time.perf_counter() - t0) / batch)
     uint8 = np.clip(images * 255 + 0.5, 0, 255).astype(np.uint8)
-    _atomic_savez(os.path.join(directory, f'samples_{host}_{i:05d}.npz'), arr_0=uint8, arr_1=chunk)
+    atomic_savez(os.path.join(directory, f'samples_{host}_{i:05d}.npz'), arr_0=uint8, arr_1=chunk)
   return float(np.median(times[1:] or times)) if times else None
 
 
@@ -190,7 +179,7 @@ def reference(path: str, inception: str, features, out: str) -> dict:
   if len(stats) < len(REF_STATS):   # ADM's batches store them; other files get them from their images
     fid, sfid = feature_statistics(feats['pool']), feature_statistics(feats['spatial'])
     stats = dict(mu=fid.mu, sigma=fid.sigma, mu_s=sfid.mu, sigma_s=sfid.sigma)
-  _atomic_savez(cache, pool=feats['pool'], inception=os.path.abspath(inception), **stats)
+  atomic_savez(cache, pool=feats['pool'], inception=os.path.abspath(inception), **stats)
   return reference(path, inception, features, out)
 
 
@@ -215,7 +204,7 @@ def merge_results(path: str, rows: dict) -> dict:
       merged = json.load(f)
   for run, row in rows.items():
     merged[run] = {**merged.get(run, {}), **{k: v for k, v in row.items() if v is not None}}
-  _atomic_write(path, lambda f: json.dump(merged, f, indent=1, sort_keys=True), 'w')
+  atomic_write(path, lambda f: json.dump(merged, f, indent=1, sort_keys=True), 'w')
   return merged
 
 

@@ -22,10 +22,10 @@ from tqdm import tqdm
 
 import jax
 
+from accel import sampling_flags as sf
 from accel.families import family_from_config
 from accel.specs import policy_from_spec
 from train import grid as grid_lib
-from accel import sampling_flags as sf
 from var_models.nn.checks import check_labels
 
 _OUT = flags.DEFINE_string('out', 'samples/grid.png', 'where to write the PNG grid')
