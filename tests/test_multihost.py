@@ -152,6 +152,16 @@ def test_tiny_var_on_two_processes_takes_the_steps_of_one_and_scores_its_samples
   assert "samples at step 3, scored by the built-in data's classifier" in job.out(0)
 
 
+def test_mar_on_cached_latents_encodes_a_part_per_process_and_takes_the_steps_of_one(tmp_path):
+  mar = ['--config=configs/mar.py:tiny', '--config.train.steps=3', *SMALL, '--config.data.cache_latents=True',
+         '--config.data.num_examples=24']
+  _job(tmp_path / 'one', mar, n=1).succeed(timeout=300)
+  _job(tmp_path / 'two', mar).succeed(timeout=300)
+  [cache] = (tmp_path / 'two' / 'latents').iterdir()
+  assert sorted(os.listdir(cache)) == ['labels-0.npy', 'labels-1.npy', 'meta.json', 'moments-0.npy', 'moments-1.npy']
+  _assert_same_losses(_losses(tmp_path / 'two'), _losses(tmp_path / 'one'), range(1, 4))
+
+
 def test_evaluate_on_two_processes_writes_each_shard_once_as_one_process_does(tmp_path):
   """Process 0 samples call 0, process 1 calls 1 and 2, then process 0 alone scores them all."""
   args = ['--config=configs/var.py:tiny', '--per_class=2', '--batch_size=8', '--seed=3']
