@@ -15,6 +15,8 @@ the floor that GPU reductions, not deterministic, set); images/s and MFU of runs
 (medians of the per-step TensorBoard values after --warmup steps); each process's peak GPU
 memory. --gpus 1 runs 1 and the preemption of 3 on one process (N processes need N GPUs).
 --cpu runs the same on CPU devices (JAX_NUM_CPU_DEVICES) to try the script anywhere.
+The processes inherit the environment: under XLA_FLAGS=--xla_gpu_deterministic_ops=true the GPU
+floor is 0 and a resume equals the uninterrupted run exactly (one H100: benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
