@@ -7,6 +7,7 @@ starts in its own session, as a scheduler's job step does, and a signal goes to 
 whole session (the grain workers too). Every run is compared with one process of 4
 devices on the same (data 2, fsdp 2) mesh, global batch and seed.
 """
+import importlib.util
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from imagenet_tars import write_tars
 from train import launch
 from train.builtin_classifier import BuiltinMetrics
 from train.summaries import read_scalars
@@ -160,6 +162,19 @@ def test_mar_on_cached_latents_encodes_a_part_per_process_and_takes_the_steps_of
   [cache] = (tmp_path / 'two' / 'latents').iterdir()
   assert sorted(os.listdir(cache)) == ['labels-0.npy', 'labels-1.npy', 'meta.json', 'moments-0.npy', 'moments-1.npy']
   _assert_same_losses(_losses(tmp_path / 'two'), _losses(tmp_path / 'one'), range(1, 4))
+
+
+@pytest.mark.skipif(importlib.util.find_spec('tensorflow') is None,
+                    reason='preparing imagenet2012 needs TensorFlow (the `data` extra)')
+def test_process_0_prepares_imagenet_from_the_tars_while_the_other_waits(tmp_path):
+  write_tars(str(tmp_path / 'manual'))
+  args = ['--config=configs/ecar.py:tiny', '--config.train.steps=3', *SMALL, '--config.train.batch_size=4',
+          '--config.num_classes=1000', '--config.data.source=imagenet', f'--config.data.path={tmp_path}/tfds',
+          f'--config.data.manual_dir={tmp_path}/manual', '--config.data.workers=1']
+  job = _job(tmp_path / 'run', args)
+  job.succeed(timeout=300)
+  assert 'waiting for process 0 to prepare imagenet2012' in job.err(1)
+  assert sorted(_losses(tmp_path / 'run')) == [1, 2, 3]
 
 
 def test_evaluate_on_two_processes_writes_each_shard_once_as_one_process_does(tmp_path):

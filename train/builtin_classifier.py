@@ -125,7 +125,8 @@ def _load_or_train_params(directory: str, size: int, seed: int, steps: int):
     checkpoint.check_tree(abstract, params, path)
     return params
   if meta:
-    logging.info('the built-in classifier in %s was trained with %s; retraining with %s', directory, meta, settings)
+    logging.info('the built-in classifier in %s (%s, %s) is not the one asked for (%s): retraining', directory,
+                 meta, 'params.msgpack' if os.path.exists(path) else 'no params.msgpack', settings)
   shutil.rmtree(directory, ignore_errors=True)   # its reference statistics go with it
   start = time.perf_counter()
   params = train_classifier(size, seed, steps)

@@ -11,10 +11,13 @@ from __future__ import annotations
 import io
 import os
 import tarfile
+import time
 
 import jax
+from absl import logging
 
 NAME = 'imagenet2012'
+_POLL_S = 5.0
 
 
 def _tfds():
@@ -23,6 +26,17 @@ def _tfds():
   except ImportError as e:
     raise ImportError("config.data.source='imagenet' needs tensorflow-datasets: pip install -e '.[data]'") from e
   return tfds
+
+
+def _wait_until_prepared(tfds, data_dir: str) -> None:
+  """Until process 0 has prepared imagenet2012 in the shared data_dir, hours for the real one. The
+  other processes wait on the file system, since a collective held open that long (NCCL's set-up
+  included) may time out. Should process 0 die meanwhile, JAX's distributed runtime terminates them."""
+  start = time.monotonic()
+  while not tfds.builder(NAME, data_dir=data_dir or None).is_prepared():
+    logging.log_every_n_seconds(logging.INFO, 'waiting for process 0 to prepare %s in %s: %.0f min so far', 600,
+                                NAME, data_dir, (time.monotonic() - start) / 60)
+    time.sleep(_POLL_S)
 
 
 def _sync(name: str) -> None:
@@ -40,6 +54,8 @@ class ImageNet:
       prepare = {'download_config': tfds.download.DownloadConfig(manual_dir=manual_dir)}
       if jax.process_index() == 0:
         tfds.data_source(NAME, download=True, download_and_prepare_kwargs=prepare, **kwargs)
+      else:
+        _wait_until_prepared(tfds, data_dir)
       _sync('imagenet prepared')
     try:
       self.source = tfds.data_source(NAME, download=False, **kwargs)
