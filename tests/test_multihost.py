@@ -10,6 +10,7 @@ devices on the same (data 2, fsdp 2) mesh, global batch and seed.
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -87,6 +88,18 @@ def test_sigterm_to_both_leaves_one_checkpoint_and_the_same_commands_resume_to_t
   assert {'process_0-of-2.json', 'process_1-of-2.json'} <= set(preempted['data_files'])
   assert sorted(map(int, os.listdir(preempted['workdir'] / 'checkpoints'))) == [int(stopped), STEPS]
   _assert_same_losses(preempted['losses'], one_process, range(int(stopped) + 1, STEPS + 1))
+
+
+def test_the_checkpoint_of_two_processes_resumes_on_one_process(preempted, one_process, tmp_path):
+  """The step the two processes saved on SIGTERM, resumed by one process of 4 devices (its grain state
+  fits only two processes: the stream restarts at the step)."""
+  stopped = preempted['checkpoints'][0]
+  workdir = tmp_path / 'resumed'
+  (workdir / 'checkpoints').mkdir(parents=True)
+  shutil.copytree(preempted['workdir'] / 'checkpoints' / stopped, workdir / 'checkpoints' / stopped)
+  shutil.copy(preempted['workdir'] / 'config.json', workdir)
+  _job(workdir, ECAR, n=1).succeed(timeout=300)
+  _assert_same_losses(_losses(workdir), one_process, range(int(stopped) + 1, STEPS + 1))
 
 
 def test_the_exported_params_are_written_once_and_load_with_train_sample(preempted):
