@@ -22,7 +22,6 @@ first REFERENCE_SIZE images of the model's own training data (its resolution, cl
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import time
@@ -132,7 +131,7 @@ def _load_or_train_params(directory: str, size: int, seed: int, steps: int):
   params = train_classifier(size, seed, steps)
   os.makedirs(directory)
   atomic_write(path, lambda f: f.write(serialization.msgpack_serialize(jax.device_get(params))))
-  atomic_write(os.path.join(directory, 'meta.json'), lambda f: json.dump(settings, f), 'w')
+  checkpoint.save_meta(directory, settings)   # last: its settings name complete params
   logging.info('trained the built-in classifier at %d px in %.1f s', size, time.perf_counter() - start)
   return params
 

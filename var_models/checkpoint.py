@@ -23,8 +23,13 @@ def save_params(directory: str, params: Any, meta: Optional[dict] = None) -> Non
   with ocp.StandardCheckpointer() as ckptr:   # on many hosts, every host calls this together
     ckptr.save(os.path.join(directory, _PARAMS), params, force=True)
   if jax.process_index() == 0:
-    with open(os.path.join(directory, _META), 'w') as f:
-      json.dump(meta or {}, f, indent=2, sort_keys=True)
+    save_meta(directory, meta or {})
+
+
+def save_meta(directory: str, meta: dict) -> None:
+  """directory/meta.json, which load_meta reads (written by the calling process alone)."""
+  with open(os.path.join(os.path.abspath(directory), _META), 'w') as f:
+    json.dump(meta, f, indent=2, sort_keys=True)
 
 
 def load_meta(directory: str) -> dict:
