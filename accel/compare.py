@@ -45,10 +45,7 @@ _GRID = flags.DEFINE_integer('grid', 16, 'image pairs in each PNG grid')
 
 def _labels(seeds: list[int], num_classes: int) -> np.ndarray:
   if _LABELS.value:
-    try:
-      pool = [int(x) for x in _LABELS.value]
-    except ValueError:
-      raise ValueError(f'--labels must be integers, got {_LABELS.value}') from None
+    pool = sf.integers(_LABELS)
     labels = np.array([pool[i % len(pool)] for i in range(len(seeds))], np.int32)
   else:
     labels = np.array(seeds, np.int32) % num_classes

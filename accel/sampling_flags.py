@@ -31,6 +31,14 @@ def pick(flag, default):
   return default if flag.value is None else flag.value
 
 
+def integers(flag) -> list[int]:
+  """A list flag's values as integers (e.g. --labels), or an error naming the flag."""
+  try:
+    return [int(x) for x in flag.value]
+  except ValueError:
+    raise ValueError(f'--{flag.name} must be integers, got {flag.value}') from None
+
+
 def check_family(config) -> None:
   """The config's family is known, no flag of another family is set, and --ckpt (if any) holds this family."""
   family = config.family

@@ -116,6 +116,7 @@ def test_command_line_rejects_a_preset_that_does_not_fit_before_compiling(tmp_pa
 @pytest.mark.parametrize('flag, error', [
     ('--seed=3', "--seed: accel.compare samples each of --seeds"),
     ('--temperature=0.9', "--temperature applies to MAR configs, not to config.family='var'"),
+    ('--labels=1,a', "--labels must be integers, got ['1', 'a']"),
 ])
 def test_command_line_shares_the_sampling_flags_and_their_checks(tmp_path, flag, error):
   cmd = [sys.executable, '-m', 'accel.compare', '--config', 'configs/var.py:tiny', '--policy', 'fastvar:tiny',

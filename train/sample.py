@@ -36,10 +36,7 @@ _CFG = flags.DEFINE_float('cfg', None, 'classifier-free guidance scale (E-CAR: c
 
 def _labels(num_classes: int, batch: int) -> np.ndarray:
   if _LABELS.value:
-    try:
-      labels = np.array([int(x) for x in _LABELS.value], np.int32)
-    except ValueError as e:
-      raise ValueError(f'--labels must be integers, got {_LABELS.value}') from e
+    labels = np.array(sf.integers(_LABELS), np.int32)
   else:
     labels = np.arange(_NUM.value or batch, dtype=np.int32) % num_classes
   return np.resize(labels, _NUM.value or len(labels))
