@@ -43,10 +43,17 @@ def job(args, workdir: str, processes: int) -> launch.Job:
   train = ['-m', 'train', f'--config={args.config}', f'--workdir={workdir}', f'--config.train.steps={args.steps}',
            f'--config.train.batch_size={args.batch}', '--config.train.log_every=1',
            '--config.train.ckpt_every=1000000000', '--config.train.sample_classes=0',
-           '--config.data.source=synthetic', f'--config.data.workers={args.workers}', *args.extra]
+           '--config.data.source=synthetic', f'--config.data.workers={args.workers}',
+           f'--compilation_cache={args.compilation_cache}', *args.extra]
   per = args.gpus // processes
   envs = [devices_env(args, i * per, per) for i in range(processes)]
   return launch.Job(os.path.join(workdir, 'logs'), [train] * processes, envs)
+
+
+def startup_seconds(j: launch.Job) -> list[dict]:
+  """Per process, {phase: seconds} of `python -m train`'s start-up (train/startup.py's log lines)."""
+  return [{name: float(sec) for name, sec in re.findall(r'start-up: ([^\n]+?): ([0-9.]+) s\n', j.err(i))}
+          for i in range(len(j.procs))]
 
 
 def report(args, workdir: str, j: launch.Job) -> dict:
@@ -56,7 +63,7 @@ def report(args, workdir: str, j: launch.Job) -> dict:
   return {'losses': dict(scalars['loss']),
           'images_per_s': statistics.median(after('perf/images_per_s')) if after('perf/images_per_s') else None,
           'mfu': statistics.median(after('perf/mfu')) if after('perf/mfu') else None,
-          'memory_gib': [float(m[-1]) if m else None for m in memory]}
+          'memory_gib': [float(m[-1]) if m else None for m in memory], 'startup': startup_seconds(j)}
 
 
 def max_relative(a: dict, b: dict, steps) -> float:
@@ -76,8 +83,12 @@ def main():
   p.add_argument('--timeout', type=float, default=900)
   p.add_argument('--cpu', action='store_true')
   p.add_argument('--workdir', default='')
+  p.add_argument('--compilation_cache', default=None,
+                 help='shared by the runs (default WORKDIR/xla_cache: runs 3 and 4 load the programs run 2 compiled)')
   args, args.extra = p.parse_known_args()   # the rest: --config.KEY=VALUE overrides for every run
   base = args.workdir or tempfile.mkdtemp()
+  if args.compilation_cache is None:
+    args.compilation_cache = os.path.join(base, 'xla_cache')
   n = args.gpus
   rows = []
   one_dir = os.path.join(base, 'one')
@@ -99,7 +110,9 @@ def main():
   stopped = int(re.search(r'stopped at step (\d+)', cut.out(0)).group(1))
   again = job(args, cut_dir, n)
   again.succeed(args.timeout)
-  resumed = report(args, cut_dir, again)['losses']
+  resumed_report = report(args, cut_dir, again)
+  resumed = resumed_report['losses']
+  rows.append(('resumed, from the compilation cache', resumed_report))
 
   print(f'{args.config}, global batch {args.batch}, {args.steps} steps')
   print('| run | images/s | MFU | peak memory per process GiB |\n| --- | ---: | ---: | --- |')
@@ -107,6 +120,11 @@ def main():
     ips = f"{r['images_per_s']:.1f}" if r['images_per_s'] else '-'
     mfu = f"{100 * r['mfu']:.1f} %" if r['mfu'] else '-'
     print(f"| {name} | {ips} | {mfu} | {', '.join('-' if m is None else f'{m:.2f}' for m in r['memory_gib'])} |")
+  phases = list(rows[0][1]['startup'][0])
+  print('\nstart-up, seconds per phase (slowest process)\n| run | ' + ' | '.join(phases) + ' |\n|' + ' --- |' * (len(phases) + 1))
+  for name, r in rows:
+    slowest = {k: max(p.get(k, 0.0) for p in r['startup']) for k in phases}
+    print(f'| {name} | ' + ' | '.join(f'{slowest[k]:.1f}' for k in phases) + ' |')
   steps = range(1, args.steps + 1)
   if n > 1:
     print(f'losses, {n} processes against 1: max relative difference {max_relative(rows[1][1]["losses"], rows[0][1]["losses"], steps):.2e}')

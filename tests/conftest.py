@@ -1,5 +1,10 @@
 """Shared tiny VAR + VQVAE fixtures (CPU, float32)."""
-import jax
+import os
+
+# The programs the tests start (`python -m train` ...) compile afresh: no persistent cache in ~/.cache.
+os.environ.setdefault('JAX_ENABLE_COMPILATION_CACHE', 'false')
+
+import jax  # noqa: E402
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -226,3 +226,26 @@ def test_a_workdir_that_is_not_shared_stops_every_process(tmp_path):
   assert job.wait(timeout=300) != [0, 0]
   for i, workdir in enumerate(workdirs):
     assert f'--workdir={workdir} is not shared: processes [1] do not see the file process 0 wrote' in job.err(i)
+
+
+DIFFERENT_PROGRAMS = r'''
+import jax
+from train import multihost
+multihost.initialize()
+multihost.check_same_program('train step', 'module\n  add\n' + ('  mul\n' if jax.process_index() else '  sub\n'))
+'''
+
+
+def test_processes_that_lower_different_programs_stop_naming_the_first_difference(tmp_path):
+  job = _job(tmp_path, [], per_process=[[], []], run=('-c', DIFFERENT_PROGRAMS))
+  assert job.wait(timeout=120) == [1, 1]
+  assert 'processes [1] lowered another train step than process 0 (their logs name' in job.err(0)
+  assert ("processes [1] lowered another train step than process 0; first difference at line 3: here 'mul', "
+          "on process 0 'sub'") in job.err(1)
+
+
+def test_a_start_up_phase_past_its_limit_ends_both_processes_naming_it(tmp_path):
+  job = _job(tmp_path, [*ECAR, '--startup_timeout=0.05'])
+  assert job.wait(timeout=120) == [75, 75]
+  for i in range(2):
+    assert f'process {i} of 2: start-up phase "' in job.err(i)

@@ -16,10 +16,14 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from train import multihost, throughput
+from train import compilation_cache, multihost, throughput
+from train.startup import Startup
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/{ecar,var,mar}.py:VARIANT', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'where checkpoints, logs and samples go (resumed if present)')
+_STARTUP_TIMEOUT = flags.DEFINE_float(
+    'startup_timeout', 1800, 'seconds any one start-up phase (distributed init, checks, data, state, compile, '
+    'first step) may take before the process stops with an error naming the phase; 0: no limit')
 
 
 class _QuietOrbax(pylogging.Filter):
@@ -33,10 +37,14 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.get_absl_handler().addFilter(_QuietOrbax())
-  multihost.initialize(multihost.HEARTBEAT_TIMEOUT.value)
+  compilation_cache.enable(compilation_cache.COMPILATION_CACHE.value)
+  startup = Startup(_STARTUP_TIMEOUT.value, multihost.process_name(started=False))
+  with startup.phase('distributed init'):
+    multihost.initialize(multihost.HEARTBEAT_TIMEOUT.value)
+    startup.process = multihost.process_name(started=True)
   from train.trainer import Trainer  # after the distributed runtime starts: it touches devices
   try:
-    result = Trainer(_CONFIG.value, _WORKDIR.value).run()
+    result = Trainer(_CONFIG.value, _WORKDIR.value, startup=startup).run()
   except jax.errors.JaxRuntimeError as e:
     if jax.process_count() == 1:
       raise

@@ -9,6 +9,7 @@ collective). tests/test_multihost.py and benchmarks/multiprocess_gpu.py use it.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -65,6 +66,17 @@ class Job:
     with open(self._path('out', i)) as f:
       return f.read()
 
+  def phase(self, i: int) -> Optional[str]:
+    """The start-up phase process i last began and has not ended (train/startup.py's log), if any."""
+    current = None
+    for line in self.err(i).splitlines():
+      begun = re.search(r'start-up: (.+) \.\.\.$', line)
+      if begun:
+        current = begun.group(1)
+      elif current and f'start-up: {current}: ' in line:
+        current = None
+    return current
+
   def signal(self, i: int, sig) -> None:
     """To process i's whole session (its data workers too), as a scheduler signals a job step."""
     os.killpg(self.procs[i].pid, sig)
@@ -95,6 +107,12 @@ class Job:
     return [p.returncode for p in self.procs]
 
   def succeed(self, timeout: float = 600) -> None:
-    for i, code in enumerate(self.wait(timeout)):
+    stuck = {}
+    deadline = time.monotonic() + timeout
+    codes = self.wait(timeout)
+    if time.monotonic() >= deadline:
+      stuck = {i: self.phase(i) for i in range(len(self.procs))}
+    for i, code in enumerate(codes):
       if code != 0:
-        raise RuntimeError(f'process {i} exited with {code}:\n{self.err(i)[-3000:]}')
+        where = f' after {timeout:g} s in start-up phase "{stuck[i]}"' if stuck.get(i) else ''
+        raise RuntimeError(f'process {i} exited with {code}{where}:\n{self.err(i)[-3000:]}')

@@ -57,6 +57,19 @@ def initialize(heartbeat_timeout_s: int = 100) -> None:
     jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s, **whole_node)
 
 
+def process_name(started: bool) -> str:
+  """'process i of n' for log lines: from the launcher's variables before the runtime has
+  `started` (JAX's devices untouched), from JAX after."""
+  if started:
+    return f'process {jax.process_index()} of {jax.process_count()}'
+  env = os.environ
+  if env.get('JAX_COORDINATOR_ADDRESS'):
+    return f'process {env.get("JAX_PROCESS_ID")} of {env.get("JAX_NUM_PROCESSES")}'
+  if env.get('SLURM_JOB_ID') and int(env.get('SLURM_NTASKS', '1')) > 1:
+    return f'process {env.get("SLURM_PROCID")} of {env["SLURM_NTASKS"]}'
+  return 'process 0 of 1'
+
+
 def _flat(tree, prefix: str = '') -> dict:
   if not isinstance(tree, dict):
     return {prefix: tree}
@@ -96,6 +109,29 @@ def check_same_config(config) -> None:
   detail = ''.join(f'; here config.{k}={ours.get(k)!r}, on process 0 {host0.get(k)!r}' for k in keys[:5])
   raise ValueError(f'processes {differ} run another config than process 0{detail}: start every host with '
                    'the same command')
+
+
+def check_same_program(name: str, text: str) -> None:
+  """Raises on every host when any host lowered `text` (a program's StableHLO) other than host 0,
+  naming the first line that differs."""
+  if jax.process_count() == 1:
+    return
+  digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
+  digests = _allgather(digest)
+  differ = [p for p in range(len(digests)) if not np.array_equal(digests[p], digests[0])]
+  if not differ:
+    return
+  ours, host0 = text.splitlines(), _broadcast_text(text).splitlines()
+  if ours == host0:   # process 0, or a process that lowered what process 0 did
+    detail = ' (their logs name the first line that differs)'
+  else:
+    line = next((i for i, (a, b) in enumerate(zip(ours, host0)) if a != b), min(len(ours), len(host0)))
+    here = ours[line].strip() if line < len(ours) else '<end>'
+    there = host0[line].strip() if line < len(host0) else '<end>'
+    detail = f'; first difference at line {line + 1}: here {here[:300]!r}, on process 0 {there[:300]!r}'
+  raise RuntimeError(f'processes {differ} lowered another {name} than process 0{detail}. Something the program '
+                     'depends on differs between hosts (code, versions, config or input shapes), and hosts '
+                     'running different programs would wait for each other forever')
 
 
 def check_shared_workdir(workdir: str) -> None:

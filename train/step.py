@@ -11,6 +11,7 @@ A step whose loss or gradient norm is not finite changes nothing but the counter
 from __future__ import annotations
 
 import time
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -105,9 +106,10 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
 
 
 def compile_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule, t, mesh,
-                       shardings, state: TrainState, frozen, batch: dict):
-  """The step compiled for these arrays' shardings, the state donated.
-  -> (compiled, compile seconds, matmul FLOPs per device of one step)."""
+                       shardings, state: TrainState, frozen, batch: dict,
+                       check_lowered: Optional[Callable[[str], None]] = None):
+  """The step compiled for these arrays' shardings, the state donated; `check_lowered(text)` sees
+  its StableHLO before XLA compiles it. -> (compiled, compile seconds, matmul FLOPs per device)."""
   step = make_train_step(task, tx, schedule, t.grad_accum, t.ema_decay)
   frozen_sh = jax.tree.map(lambda x: x.sharding, frozen)
   batch_sh = jax.tree.map(lambda x: x.sharding, batch)
@@ -115,7 +117,13 @@ def compile_train_step(task: Task, tx: optax.GradientTransformation, schedule: o
                    out_shardings=(shardings, mesh_lib.replicated(mesh)), donate_argnums=0)
   t0 = time.perf_counter()
   traced = jitted.trace(state, frozen, batch)
-  compiled = traced.lower().compile()
+  t1 = time.perf_counter()
+  lowered = traced.lower()
+  if check_lowered is not None:
+    check_lowered(lowered.as_text())
+  t2 = time.perf_counter()
+  compiled = lowered.compile()
   seconds = time.perf_counter() - t0
-  logging.info('compiled the train step in %.1f s', seconds)
+  logging.info('compiled the train step in %.1f s (trace %.1f s, lower and check %.1f s, XLA %.1f s)', seconds, t1 - t0,
+               t2 - t1, seconds - (t2 - t0))
   return compiled, seconds, flop_count.jaxpr_flops(traced.jaxpr.jaxpr) / mesh.size

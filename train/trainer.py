@@ -32,6 +32,7 @@ from train.data import synthetic
 from train.data.loader import Loader
 from train.data.sources import make_examples
 from train.optimizer import lr_schedule, make_optimizer
+from train.startup import Startup, unbounded
 from train.state import TrainState, abstract_state, sharded_init
 from train.step import compile_train_step
 from train.summaries import Summaries
@@ -98,31 +99,37 @@ def sample_labels(t, num_classes: int) -> np.ndarray:
 
 class Trainer:
 
-  def __init__(self, config, workdir: str, preemption: Optional[Preemption] = None):
-    check_config(config)
-    self.config, self.t, self.workdir = config, config.train, os.path.abspath(workdir)
-    multihost.check_same_config(config)
-    multihost.check_shared_workdir(self.workdir)
-    self.task: Task = make_task(config)
+  def __init__(self, config, workdir: str, preemption: Optional[Preemption] = None,
+               startup: Optional[Startup] = None):
+    self.startup = startup or unbounded()
+    with self.startup.phase('config and workdir checks'):
+      check_config(config)
+      self.config, self.t, self.workdir = config, config.train, os.path.abspath(workdir)
+      multihost.check_same_config(config)
+      multihost.check_shared_workdir(self.workdir)
+    with self.startup.phase('model and frozen tokenizer'):
+      self.task: Task = make_task(config)
     self.mesh = mesh_lib.make_mesh(self.t.mesh_data, self.t.mesh_fsdp)
     check_batch(self.t, self.mesh.size)
     self.is_main = jax.process_index() == 0
     self.preemption = preemption or Preemption()
     self.schedule = lr_schedule(self.t)
     self.tx = make_optimizer(self.t, self.schedule)
-    example, num_examples = make_examples(config, self.task, self.workdir)
-    d = config.data
-    self.loader = Loader(example, num_examples, global_batch=self.t.batch_size, seed=self.t.seed,
-                         steps=self.t.steps, process_index=jax.process_index(), process_count=jax.process_count(),
-                         workers=d.workers, threads=d.threads)
+    with self.startup.phase('data pipeline'):
+      example, num_examples = make_examples(config, self.task, self.workdir)
+      d = config.data
+      self.loader = Loader(example, num_examples, global_batch=self.t.batch_size, seed=self.t.seed,
+                           steps=self.t.steps, process_index=jax.process_index(),
+                           process_count=jax.process_count(), workers=d.workers, threads=d.threads)
     self.ckpts = Checkpoints(self.workdir, self.t.keep_checkpoints)
     self.resumed: Optional[dict] = None   # the meta of the checkpoint this run resumed from
     try:
-      self.state = self._initial_state()
+      with self.startup.phase('train state (init or restore)'):
+        self.state = self._initial_state()
+        self.frozen = mesh_lib.put(self.task.frozen, mesh_lib.state_shardings(self.mesh, self.task.frozen))
     except Exception:
       self.ckpts.close()
       raise
-    self.frozen = mesh_lib.put(self.task.frozen, mesh_lib.state_shardings(self.mesh, self.task.frozen))
     self.summaries = Summaries(self.workdir, enabled=self.is_main)
     # A generator of the built-in data: its grid rows start with a real example of their class, and
     # its samples are scored (a tokenizer's grid shows reconstructions, which its loss measures).
@@ -283,10 +290,13 @@ class Trainer:
     t = self.t
     if start >= t.steps:
       return Result(self.state, {}, False, {})
-    data = self._data_iterator(start)
-    first = self._next_batch(data, start)
-    step_fn, _, flops = compile_train_step(self.task, self.tx, self.schedule, t, self.mesh, self.shardings,
-                                    self.state, self.frozen, first)
+    with self.startup.phase('data pipeline: first batch'):
+      data = self._data_iterator(start)
+      first = self._next_batch(data, start)
+    with self.startup.phase('compile the train step'):
+      step_fn, _, flops = compile_train_step(
+          self.task, self.tx, self.schedule, t, self.mesh, self.shardings, self.state, self.frozen, first,
+          check_lowered=functools.partial(multihost.check_same_program, 'train step'))
     meter = _Meter(t, flops,
                    throughput.peak_flops(jax.devices()[0], t.peak_flops))
     bar = tqdm(total=t.steps, initial=start, desc=f'train {self.config.family}', unit='step',
@@ -294,8 +304,11 @@ class Trainer:
     pending, last, preempted = None, {}, False
     try:
       for step in range(start, t.steps):
-        batch = first if step == start else self._next_batch(data, step)
-        self.state, metrics = step_fn(self.state, self.frozen, batch)
+        if step == start:
+          with self.startup.phase('first step'):
+            self.state, metrics = jax.block_until_ready(step_fn(self.state, self.frozen, first))
+        else:
+          self.state, metrics = step_fn(self.state, self.frozen, self._next_batch(data, step))
         if pending is not None:   # the previous step's metrics: fetching them does not stall this one
           last = self._after_step(*pending, meter, bar)
         pending, done = (step + 1, metrics), step + 1
