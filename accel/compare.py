@@ -8,7 +8,7 @@
 Any VAR, MAR or E-CAR checkpoint `python -m train.sample` loads (converted weights or a training
 workdir); without --ckpt the weights are random, which shows speed only. The config, checkpoint,
 batch and sampling flags (--top_k, --temperature, --num_steps, ...) are train.sample's
-(`accel.sampling_flags`); --batch_size defaults to 1, the papers' latency setting. Seed s samples with
+(`sampling.flags`); --batch_size defaults to 1, the papers' latency setting. Seed s samples with
 key(s) (with --batch_size b > 1, each group of b seeds shares the key of its first) and label
 --labels[i % n] (default: s mod num_classes). The baseline and every --policy (comma separated;
 'a+b' composes VAR policies) run on the same keys and labels; per image, PSNR, SSIM and LPIPS
@@ -27,17 +27,17 @@ import numpy as np
 from absl import app, flags
 
 from accel import metrics
-from accel import sampling_flags as sf
-from accel.families import family_from_config
 from accel.fidelity import compare, parse_seeds
 from accel.specs import policy_from_spec
+from sampling import family_from_config
+from sampling import flags as sf
 from var_models.nn.checks import check_labels
 
 _POLICY = flags.DEFINE_list('policy', None, "policies, e.g. fastvar:infinity_2b ('a+b' composes), "
                             'lazymar:official, ecarcache:every_2')
 _SEEDS = flags.DEFINE_string('seeds', '0-15', "seeds, e.g. '0-63' or '0,5,9-12'")
 _LABELS = flags.DEFINE_list('labels', None, 'class labels, cycled over the seeds (default: seed mod classes)')
-_CFG = flags.DEFINE_float('cfg', None, 'guidance scale (default: the config\'s sample.cfg / sample.cfg_scale)')
+_CFG = flags.DEFINE_float('cfg', None, "guidance scale (default: the config's sample.cfg)")
 _LPIPS = flags.DEFINE_string('lpips', None, 'LPIPS params directory (python -m var_models.convert lpips)')
 _OUT = flags.DEFINE_string('out', 'compare', 'output directory')
 _GRID = flags.DEFINE_integer('grid', 16, 'image pairs in each PNG grid')
@@ -69,7 +69,7 @@ def main(argv):
   for policy in policies.values():   # settings that do not fit the model fail here, before compiling
     family.make(policy)
   lpips_params = metrics.load_lpips(_LPIPS.value) if _LPIPS.value else None
-  print(f'device: {jax.devices()[0].device_kind}; {len(seeds)} images, batch {batch}, {family.opts}', flush=True)
+  print(f'device: {jax.devices()[0].device_kind}; {len(seeds)} images, batch {batch}, {family.options}', flush=True)
   print(compare(family, policies, seeds, labels, batch, _OUT.value, lpips_params, _GRID.value))
 
 

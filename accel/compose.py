@@ -9,11 +9,10 @@ where it has none:
   - state: a tuple, one slot per policy, each policy seeing only its own;
   - select_input: at most one policy may drop input tokens at a step (its `input_counts`
     are the composite's); `after_step` reaches every policy;
-  - block hooks: at most one policy may select a sub-layer's tokens; its `restore` fills in
-    the others, then every other policy's `restore` sees the full output (idx None), so a
-    policy that caches outputs (FastVAR's cache scale) still can; `kv` passes the keys and
-    values through each policy in turn; at most one policy may compute a block's attention
-    (`attend`, SparVAR's);
+  - block hooks: at most one policy may select a sub-layer's tokens (`BlockHooks.selects`, a
+    static answer); its `restore` fills in the others, then every other policy's `restore`
+    sees the full output (idx None), so a policy that caches outputs (FastVAR's cache scale)
+    still can; at most one policy may compute a block's attention (`attend`, SparVAR's);
   - attn_mask: the first policy that overrides the baseline's.
 """
 from __future__ import annotations
@@ -55,24 +54,26 @@ class ComposedHooks(BlockHooks):
 
   def __init__(self, hooks: list[tuple[int, BlockHooks]]):
     self.hooks = hooks
-    self.selector: dict[str, int] = {}  # site -> slot of the policy that selected there
+
+  def selects(self, site: str) -> bool:
+    return self._selector(site) is not None
+
+  def _selector(self, site: str) -> Optional[int]:
+    """The slot of the policy that selects the tokens of `site`, if any."""
+    slots = [slot for slot, h in self.hooks if h.selects(site)]
+    if len(slots) > 1:
+      raise ValueError(f'compose: two policies select the tokens of sub-layer {site!r} of one block')
+    return slots[0] if slots else None
 
   def select(self, site: str, x: Array, state: tuple):
-    chosen = None
+    chosen, selector = None, self._selector(site)
     for slot, h in self.hooks:
       idx, sub = h.select(site, x, state[slot])
       state = _with_slot(state, slot, sub)
-      if idx is not None:
-        if chosen is not None:
-          raise ValueError(f'compose: two policies select the tokens of sub-layer {site!r} of one block')
-        chosen, self.selector[site] = idx, slot
+      if (idx is not None) != (slot == selector):
+        raise ValueError(f'{type(h).__name__}.selects({site!r}) does not say what its `select` does')
+      chosen = idx if slot == selector else chosen
     return chosen, state
-
-  def kv(self, k: Array, v: Array, idx: Optional[Array], state: tuple):
-    for slot, h in self.hooks:
-      k, v, sub = h.kv(k, v, idx, state[slot])
-      state = _with_slot(state, slot, sub)
-    return k, v, state
 
   def attend(self, q, k, v, *, mask, kv_len, scale, backend, state: tuple):
     own = [(slot, h) for slot, h in self.hooks if type(h).attend is not BlockHooks.attend]
@@ -85,7 +86,7 @@ class ComposedHooks(BlockHooks):
     return out, _with_slot(state, slot, sub)
 
   def restore(self, site: str, y: Array, idx: Optional[Array], x: Array, state: tuple):
-    first = self.selector.get(site)
+    first = self._selector(site)
     order = sorted(self.hooks, key=lambda sh: sh[0] != first)
     for slot, h in order:
       y, sub = h.restore(site, y, idx if slot == first else None, x, state[slot])

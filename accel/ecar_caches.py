@@ -21,7 +21,7 @@ from typing import ClassVar, Optional
 import jax
 import jax.numpy as jnp
 
-from accel.presets import Presets
+from accel.presets import Presets, setting_error
 from ecar.policy import Denoise, StagePolicy
 
 Array = jax.Array
@@ -33,10 +33,6 @@ PRESETS = {
     'every_5': (dict(interval=5), 'ours: a full step every 5th Euler step of every stage'),
     'last_every_3': (dict(interval=3, stages=(-1,)), 'ours: every 3rd step of the last (largest) stage only'),
 }
-
-
-def _error(field: str, message: str) -> ValueError:
-  return ValueError(f'ECARConditionCache.{field}: {message}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,17 +49,17 @@ class ECARConditionCache(Presets, StagePolicy):
 
   def __post_init__(self):
     if not isinstance(self.interval, int) or self.interval < 1:
-      raise _error('interval', f'must be an int >= 1, got {self.interval!r}')
+      raise setting_error(self, 'interval', f'must be an int >= 1, got {self.interval!r}')
     if self.stages is not None:
       stages = tuple(int(s) for s in self.stages)
       if not stages or len(set(stages)) != len(stages):
-        raise _error('stages', f'must be distinct stage indices, got {self.stages}')
+        raise setting_error(self, 'stages', f'must be distinct stage indices, got {self.stages}')
       object.__setattr__(self, 'stages', stages)
 
   def bind(self, cfg) -> 'ECARConditionCache':
     n = cfg.num_stages
     if self.stages is not None and any(not -n <= s < n for s in self.stages):
-      raise _error('stages', f'{self.stages} is outside the {n} stages')
+      raise setting_error(self, 'stages', f'{self.stages} is outside the {n} stages')
     return self
 
   def init_state(self, cfg, batch: int) -> dict:
@@ -74,9 +70,9 @@ class ECARConditionCache(Presets, StagePolicy):
   def caches(self, stage: int, num_stages: int) -> bool:
     return self.stages is None or stage in {s % num_stages for s in self.stages}
 
-  def guided_velocity(self, stage: int, step: Array, x: Array, denoise: Denoise, cfg_scale: Array, state: dict):
+  def guided_velocity(self, stage: int, step: Array, x: Array, denoise: Denoise, guidance: Array, state: dict):
     if not self.caches(stage, len(state['residual'])):
-      return super().guided_velocity(stage, step, x, denoise, cfg_scale, state)
+      return super().guided_velocity(stage, step, x, denoise, guidance, state)
 
     def full(_):
       v_c, v_u = denoise.both(x)
@@ -88,4 +84,4 @@ class ECARConditionCache(Presets, StagePolicy):
     v_c, residual = jax.lax.cond(step % self.interval == 0, full, cached, None)
     v_u = v_c + residual
     residuals = state['residual'][:stage] + (residual,) + state['residual'][stage + 1:]
-    return v_u + cfg_scale * (v_c - v_u), {**state, 'residual': residuals}
+    return v_u + guidance * (v_c - v_u), {**state, 'residual': residuals}

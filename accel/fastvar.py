@@ -21,7 +21,7 @@ and the scatter keeping every token in order (the result equals the baseline bit
 a scale out of `ratios` to run it plainly.
 
 Kernels: the restoration's scatter goes through `pallas_kernels.token_scatter` (in place, 2-6x
-XLA's scatter on these shapes, benchmarks/RESULTS.md "Pallas kernels" (c)); the gather stays
+XLA's scatter on these shapes, pallas_kernels/NOTES.md (c)); the gather stays
 XLA's, which the same measurement found as fast or faster at batch 2 (one image with CFG).
 """
 from __future__ import annotations
@@ -31,13 +31,12 @@ from typing import Any, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from accel.presets import Presets
+from accel.presets import Presets, setting_error
 import pallas_kernels as pk
 from var_models.nn.blocks import BlockHooks
-from var_models.nn.resample import area_resize
+from var_models.nn.resample import area_resize, area_upsample
 from var_models.var.policy import ScalePolicy, Step
 from var_models.var.schedules import ScaleSchedule
 
@@ -69,6 +68,13 @@ def keep_count(num_tokens: int, ratio: float) -> int:
   return num_tokens - int(num_tokens * ratio)
 
 
+def pts_scores(x: Array) -> Array:
+  """PTS: each token's squared distance from its row's mean token, ||x_i - mean_j x_j||^2:
+  x [B, L, C] -> [B, L] (float32, or x's dtype if wider)."""
+  x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  return jnp.sum(jnp.square(x - x.mean(1, keepdims=True)), -1)
+
+
 def pivotal_tokens(x: Array, keep: int) -> Array:
   """PTS: indices [B, keep] of the keep tokens of x [B, L, C] farthest from their row's mean
   token, in descending score order as the authors' sort gives them; equal scores keep the
@@ -76,33 +82,17 @@ def pivotal_tokens(x: Array, keep: int) -> Array:
   b, n, _ = x.shape
   if keep == n:
     return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-  return lax.top_k(pk.pts_scores(x), keep)[1]
-
-
-def _upsample_taps(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray]:
-  """The first and last source index of each output's 'area' window; growing a side, every
-  window holds one or two sources."""
-  i = np.arange(n_out)
-  return (i * n_in) // n_out, -((-(i + 1) * n_in) // n_out) - 1
-
-
-def area_upsample(x: Array, side: int) -> Array:
-  """PyTorch 'area' of x [B, s, s, C] to [B, side, side, C], side >= s, as one gather-and-average
-  (each window the mean of its one or two sources per axis) instead of two resampling matmuls.
-  Float32, like PyTorch's adaptive pooling of bf16 (it accumulates in float)."""
-  lo, hi = _upsample_taps(x.shape[1], side)
-  x = x.astype(jnp.float32)
-  x = 0.5 * (x[:, lo] + x[:, hi])
-  return 0.5 * (x[:, :, lo] + x[:, :, hi])
+  return lax.top_k(pts_scores(x), keep)[1]
 
 
 def restore_tokens(cached: Array, side: int, y: Array, idx: Array) -> Array:
-  """CTR: the cache-scale output cached [B, s * s, C] area-resized to side x side, with the
-  computed rows y [B, k, C] written at idx [B, k] -> [B, side * side, C] in y's dtype."""
+  """CTR: the cache-scale output cached [B, s * s, C] area-resized to side x side (in float32, like
+  PyTorch's adaptive pooling of bf16; growing, by gathers), with the computed rows y [B, k, C]
+  written at idx [B, k] -> [B, side * side, C] in y's dtype."""
   b, n, c = cached.shape
   s = int(round(n ** 0.5))
-  grid = cached.reshape(b, s, s, c)
-  base = area_upsample(grid, side) if side >= s else area_resize(grid.astype(jnp.float32), (side, side))
+  grid = cached.reshape(b, s, s, c).astype(jnp.float32)
+  base = (area_upsample if side >= s else area_resize)(grid, (side, side))
   return pk.token_scatter(base.reshape(b, side * side, c).astype(y.dtype), y, idx)
 
 
@@ -116,15 +106,14 @@ class FastVARHooks(BlockHooks):
   def select(self, site: str, x: Array, state: Any):
     return (None if self.keep is None else pivotal_tokens(x, self.keep)), state
 
+  def selects(self, site: str) -> bool:
+    return self.keep is not None
+
   def restore(self, site: str, y: Array, idx: Optional[Array], x: Array, state: Any):
     key = f'{self.name}/{site}'
     if self.keep is None:
       return y, {**state, key: y}
     return restore_tokens(state[key], self.side, y, idx), state
-
-
-def _error(field: str, message: str) -> ValueError:
-  return ValueError(f'FastVAR.{field}: {message}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,17 +136,17 @@ class FastVAR(Presets, ScalePolicy):
     ratios = tuple((int(s), float(r)) for s, r in self.ratios)
     sides = [s for s, _ in ratios]
     if len(set(sides)) != len(sides) or any(s <= 0 for s in sides):
-      raise _error('ratios', f'scale sides must be distinct and positive, got {sides}')
+      raise setting_error(self, 'ratios', f'scale sides must be distinct and positive, got {sides}')
     for side, r in ratios:
       if not 0.0 <= r <= 1.0:
-        raise _error('ratios', f'the ratio of scale {side} must be in [0, 1], got {r}')
+        raise setting_error(self, 'ratios', f'the ratio of scale {side} must be in [0, 1], got {r}')
     object.__setattr__(self, 'ratios', tuple(sorted(ratios)))
     if self.pruned and self.cache_at is None:
-      raise _error('cache_at', f'pruned scales {sorted(self.pruned)} need a cache scale')
+      raise setting_error(self, 'cache_at', f'pruned scales {sorted(self.pruned)} need a cache scale')
     if self.blocks is not None:
       blocks = tuple(sorted(int(i) for i in self.blocks))
       if any(i < 0 for i in blocks) or len(set(blocks)) != len(blocks):
-        raise _error('blocks', f'block indices must be distinct and >= 0, got {self.blocks}')
+        raise setting_error(self, 'blocks', f'block indices must be distinct and >= 0, got {self.blocks}')
       object.__setattr__(self, 'blocks', blocks)
 
   @property
@@ -173,19 +162,19 @@ class FastVAR(Presets, ScalePolicy):
     pns = sched.patch_nums
     for side, _ in self.ratios:
       if side not in pns:
-        raise _error('ratios', f'scale {side} is not in the schedule {pns}')
+        raise setting_error(self, 'ratios', f'scale {side} is not in the schedule {pns}')
     if self.cache_at is not None and self.cache_at not in pns:
-      raise _error('cache_at', f'scale {self.cache_at} is not in the schedule {pns}')
+      raise setting_error(self, 'cache_at', f'scale {self.cache_at} is not in the schedule {pns}')
     late = [s for s, _ in self.ratios if s <= (self.cache_at or 0)]
     if self.pruned and late:
-      raise _error('cache_at', f'the cache scale {self.cache_at} must come before every pruned or '
-                   f'skipped scale, but {late} do not follow it')
+      raise setting_error(self, 'cache_at', f'the cache scale {self.cache_at} must come before every pruned or '
+                          f'skipped scale, but {late} do not follow it')
     if self.skipped and pns[-len(self.skipped):] != self.skipped:
-      raise _error('ratios', f'only the last scales of {pns} may be skipped (ratio 1), got {self.skipped}')
+      raise setting_error(self, 'ratios', f'only the last scales of {pns} may be skipped (ratio 1), got {self.skipped}')
     if len(self.skipped) >= len(pns):
-      raise _error('ratios', 'every scale is skipped')
+      raise setting_error(self, 'ratios', 'every scale is skipped')
     if self.blocks and self.blocks[-1] >= depth:
-      raise _error('blocks', f'block {self.blocks[-1]} is past the depth {depth} (0-based)')
+      raise setting_error(self, 'blocks', f'block {self.blocks[-1]} is past the depth {depth} (0-based)')
     return dataclasses.replace(self, patch_nums=pns)
 
   def plan(self, sched: ScaleSchedule) -> tuple[Step, ...]:

@@ -22,8 +22,8 @@ import numpy as np
 from PIL import Image
 
 from accel import metrics
-from accel.families import Family
-from accel.specs import policy_from_spec
+from accel.timing import timed_calls
+from sampling import Family
 
 @dataclasses.dataclass
 class Run:
@@ -62,17 +62,14 @@ def run_sampler(family: Family, policy, seeds: list[int], labels: np.ndarray, ba
   """Samples `seeds` (labels [N]) with `policy` in calls of `batch` images; the last call padded and cut."""
   sample = family.make(policy)
   groups = [slice(i, i + batch) for i in range(0, len(seeds), batch)]
-  calls = [family.call(jax.random.key(seeds[g.start]), np.resize(labels[g], batch).astype(np.int32)) for g in groups]
+  calls = [(jax.random.key(seeds[g.start]), np.resize(labels[g], batch).astype(np.int32)) for g in groups]
   t0 = time.perf_counter()
-  compiled = sample.lower(*calls[0][0], **calls[0][1]).compile()
+  compiled = sample.lower(family.params, *calls[0], **family.opts).compile()
   compile_s = time.perf_counter() - t0
-  args = [sample.arguments(*a, **kw) for a, kw in calls]   # checked here, outside the timed calls
-  jax.block_until_ready(compiled(*args[0]))
+  args = [sample.arguments(family.params, *c, **family.opts) for c in calls]   # checked outside the timed calls
   images, indices, times = [], [], []
-  for g, call_args in zip(groups, args):
-    t0 = time.perf_counter()
-    out, aux = jax.block_until_ready(compiled(*call_args))
-    times.append(time.perf_counter() - t0)
+  for g, ((out, aux), seconds) in zip(groups, timed_calls(compiled, [args[0], *args], warmup=1)):
+    times.append(seconds)
     n = len(seeds[g])
     images.append(np.asarray(out, np.float32)[:n])
     tokens = family.tokens(aux)
@@ -118,7 +115,7 @@ def compare(family: Family, policies: dict, seeds: list[int], labels: np.ndarray
             lpips_params=None, grid: int = 16) -> str:
   """Runs the baseline and each policy; writes summary.md, NAME.json, NAME.png; returns the table."""
   os.makedirs(out, exist_ok=True)
-  base = run_sampler(family, policy_from_spec('baseline', family.name), seeds, labels, batch)
+  base = run_sampler(family, None, seeds, labels, batch)
   rows = [TABLE_HEAD]
   for spec, policy in policies.items():
     acc = run_sampler(family, policy, seeds, labels, batch)
@@ -126,7 +123,7 @@ def compare(family: Family, policies: dict, seeds: list[int], labels: np.ndarray
     m['agreement'] = None if base.indices is None else metrics.token_agreement(base.indices, acc.indices)
     name = spec.replace(':', '_').replace('+', '__')
     save_pairs(base.images[:grid], acc.images[:grid], os.path.join(out, f'{name}.png'))
-    record = {'policy': spec, 'seeds': seeds, 'labels': labels.tolist(), 'options': family.opts, 'batch': batch,
+    record = {'policy': spec, 'seeds': seeds, 'labels': labels.tolist(), 'options': family.options, 'batch': batch,
               **{k: (None if v is None else np.asarray(v).tolist()) for k, v in m.items()},
               **{f'{who}_{k}': getattr(r, k) for who, r in (('baseline', base), ('accelerated', acc))
                  for k in ('latency_ms', 'compile_s', 'peak_bytes')}}

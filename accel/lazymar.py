@@ -45,7 +45,7 @@ from typing import Any, ClassVar, Optional
 import jax
 import jax.numpy as jnp
 
-from accel.presets import Presets
+from accel.presets import Presets, setting_error
 from var_models.mar.diffloss import HeadCache, HeadHooks
 from var_models.mar.policy import IterInfo, IterPlan, MARPolicy
 from var_models.mar.sampler import mask_schedule
@@ -69,10 +69,6 @@ PRESETS = {
     'head_only': ({**_OFF, 'head': True}, 'ablation: the official diffusion-head cache alone'),
     'off': (_OFF, 'every cache off: the baseline computation'),
 }
-
-
-def _error(field: str, message: str) -> ValueError:
-  return ValueError(f'LazyMAR.{field}: {message}')
 
 
 def is_refresh(step: int, start: int, every: int) -> bool:
@@ -142,12 +138,12 @@ class _HeadCache(HeadCache):
   def hooks(self, kind: str) -> HeadHooks:
     return _HeadHooks(kind, self.skip)
 
-  def guide(self, kind, eps_c, eps_u, cfg_scale, state):
+  def guide(self, kind, eps_c, eps_u, guidance, state):
     if kind == 'full':
       state = {**state, 'cfg': eps_c - eps_u}
     else:
       eps_u = eps_c - state['cfg']
-    return eps_u + cfg_scale * (eps_c - eps_u), state
+    return eps_u + guidance * (eps_c - eps_u), state
 
 
 class _HeadHooks(HeadHooks):
@@ -257,19 +253,19 @@ class LazyMAR(Presets, MARPolicy):
   def __post_init__(self):
     for name in ('refresh_start', 'refresh_every', 'head_interval'):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-        raise _error(name, f'must be an int >= 1, got {getattr(self, name)!r}')
+        raise setting_error(self, name, f'must be an int >= 1, got {getattr(self, name)!r}')
     for name in ('similarity_block', 'extra_tokens'):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-        raise _error(name, f'must be an int >= 0, got {getattr(self, name)!r}')
+        raise setting_error(self, name, f'must be an int >= 0, got {getattr(self, name)!r}')
     ratios = tuple(float(r) for r in self.ratios)
     if not ratios or not all(0.0 <= r <= 1.0 for r in ratios):
-      raise _error('ratios', f'must be fractions in [0, 1], one per iteration, got {self.ratios}')
+      raise setting_error(self, 'ratios', f'must be fractions in [0, 1], one per iteration, got {self.ratios}')
     object.__setattr__(self, 'ratios', ratios)
     if not 0.0 <= self.head_warm <= 1.0:
-      raise _error('head_warm', f'must be in [0, 1], got {self.head_warm}')
+      raise setting_error(self, 'head_warm', f'must be in [0, 1], got {self.head_warm}')
     skip = tuple(sorted(int(i) for i in self.head_skip))
     if any(i < 0 for i in skip) or len(set(skip)) != len(skip):
-      raise _error('head_skip', f'block indices must be distinct and >= 0, got {self.head_skip}')
+      raise setting_error(self, 'head_skip', f'block indices must be distinct and >= 0, got {self.head_skip}')
     object.__setattr__(self, 'head_skip', skip)
 
   @property
@@ -288,15 +284,16 @@ class LazyMAR(Presets, MARPolicy):
     if self.scaled:
       return self.scaled_to(num_iter).bind(cfg, num_iter, guided, diffusion_steps)
     if (self.caches_iterations or self.head) and not guided:
-      raise _error('guided', 'LazyMAR caches the CFG halves: make the sampler with guided=True')
+      raise setting_error(self, 'guided', 'LazyMAR caches the CFG halves: make the sampler with guided=True')
     if len(self.ratios) != num_iter:
-      raise _error('ratios', f'{len(self.ratios)} entries for a sampler of {num_iter} iterations (the '
-                   "official constants fit 64; the 'scaled' preset fits any count)")
+      raise setting_error(self, 'ratios', f'{len(self.ratios)} entries for a sampler of {num_iter} iterations (the '
+                          "official constants fit 64; the 'scaled' preset fits any count)")
     if self.decoder and self.similarity_block >= cfg.decoder_depth:
-      raise _error('similarity_block', f'block {self.similarity_block} is past the decoder depth '
-                   f'{cfg.decoder_depth} (0-based)')
+      raise setting_error(self, 'similarity_block', f'block {self.similarity_block} is past the decoder depth '
+                          f'{cfg.decoder_depth} (0-based)')
     if self.head and self.head_skip and self.head_skip[-1] >= cfg.diffloss_d:
-      raise _error('head_skip', f'block {self.head_skip[-1]} is past the head depth {cfg.diffloss_d} (0-based)')
+      raise setting_error(self, 'head_skip',
+                          f'block {self.head_skip[-1]} is past the head depth {cfg.diffloss_d} (0-based)')
     sched = mask_schedule(cfg.seq_len, num_iter)
     length = cfg.buffer_size + cfg.seq_len
     refresh = tuple(is_refresh(s, self.refresh_start, self.refresh_every) for s in range(num_iter))

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from accel.presets import Presets
+from accel.presets import Presets, setting_error
 from var_models.nn.resample import area_resize
 from var_models.var.policy import ScalePolicy, Step
 from var_models.var.schedules import ScaleSchedule
@@ -106,10 +106,6 @@ def retained(index: Array, side: int, count: int, offset: int) -> Array:
   return jnp.sort(order[:, offset:offset + count], axis=-1).astype(jnp.int32)
 
 
-def _error(field: str, message: str) -> ValueError:
-  return ValueError(f'LazyVAR.{field}: {message}')
-
-
 @dataclasses.dataclass(frozen=True)
 class LazyVAR(Presets, ScalePolicy):
   """Static settings (see the module docstring):
@@ -131,17 +127,17 @@ class LazyVAR(Presets, ScalePolicy):
   def __post_init__(self):
     retention = tuple(float(r) for r in self.retention)
     if not retention or any(not 0.0 <= r <= 1.0 for r in retention):
-      raise _error('retention', f'every retention must be in [0, 1], got {self.retention}')
+      raise setting_error(self, 'retention', f'every retention must be in [0, 1], got {self.retention}')
     object.__setattr__(self, 'retention', retention)
     if self.start < 1:
-      raise _error('start', f'scale 0 (the class token) cannot be pruned, got start={self.start}')
+      raise setting_error(self, 'start', f'scale 0 (the class token) cannot be pruned, got start={self.start}')
     if self.cum not in CUM_READINGS:
-      raise _error('cum', f'must be one of {CUM_READINGS}, got {self.cum!r}')
+      raise setting_error(self, 'cum', f'must be one of {CUM_READINGS}, got {self.cum!r}')
 
   def bind(self, sched: ScaleSchedule, depth: int) -> 'LazyVAR':
     if self.start + len(self.retention) != sched.num_scales:
-      raise _error('retention', f'{len(self.retention)} scales from start={self.start} must reach the '
-                                f'last of the {sched.num_scales} scales {sched.patch_nums}')
+      raise setting_error(self, 'retention', f'{len(self.retention)} scales from start={self.start} must reach the '
+                          f'last of the {sched.num_scales} scales {sched.patch_nums}')
     return dataclasses.replace(self, sides=tuple(sched.patch_nums), final_side=sched.final_hw)
 
   @property

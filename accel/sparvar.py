@@ -24,7 +24,7 @@ side. Every scale up to the decision scale S runs dense attention in every block
     added as at S. O = O_cache upsampled from S's grid to K's (`cache_upsample`: bilinear by
     default, half-pixel centres; the paper does not say how) + attention over that set: one
     gathered-key kernel (`pallas_kernels.gathered_attention`).
-  - CSLA at K: the static block layout `pallas_kernels.csla_layout` (sink scales, windows on
+  - CSLA at K: the static block layout `csla_layout` (sink scales, windows on
     the last scales, `point_windows` side-1 windows below them: 2 reproduces Table 4's block
     sparsities exactly), run by the block-sparse kernel.
 The paper's setting without skipping (Infinity, 13 scales): S = its scale 11 (40x40),
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,14 +45,16 @@ import numpy as np
 
 import pallas_kernels as pk
 from pallas_kernels import reference
-from accel.presets import Presets
+from pallas_kernels.layout import RowsFn
+from accel.presets import Presets, setting_error
 from var_models.nn import attention as attn_lib
+from var_models.nn import resample
 from var_models.nn.blocks import BlockHooks
 from var_models.var.policy import ScalePolicy, Step
 from var_models.var.schedules import ScaleSchedule
 
 Array = jax.Array
-UPSAMPLING = ('linear', 'nearest')
+UPSAMPLING = {'linear': 'bilinear', 'nearest': 'nearest-exact'}   # jax.image.resize's names -> resample's
 
 _INFINITY = dict(decision=40, sparse=(48, 64))
 _VAR256 = dict(decision=10, sparse=(13, 16), group=64)
@@ -82,10 +84,6 @@ PRESETS = {
     'var256_cs4a_only': ({**_VAR256, 'cs4a_layers': 1.0}, 'var256 with every layer CS4A'),
     'var256_csla_only': ({**_VAR256, 'cs4a_layers': 0.0}, 'var256 with every layer CSLA'),
 }
-
-
-def _error(field: str, message: str) -> ValueError:
-  return ValueError(f'SparVAR.{field}: {message}')
 
 
 def key_map(patch_nums: tuple[int, ...], s: int, k: int) -> np.ndarray:
@@ -136,28 +134,11 @@ def dense_with_column_sums(q: Array, k: Array, v: Array, kv_len: int, scale: flo
   return reference.dense_column_sums(q, k, v, kv_len, scale, group)
 
 
-def upsample_taps(src: int, dst: int, method: str) -> tuple[np.ndarray, np.ndarray]:
-  """Resampling a src x src grid onto dst x dst (dst >= src) as taps: (rows [dst * dst, T] int32,
-  weights [dst * dst, T] float32) of the source grid's flat positions, T = 4 for 'linear'
-  (bilinear, half-pixel centres, edges clamped: jax.image.resize's 'linear' without antialias)
-  and 1 for 'nearest' (source pixel floor((i + 0.5) src / dst))."""
-  centre = (np.arange(dst) + 0.5) * src / dst
-  if method == 'nearest':
-    i = np.minimum(np.floor(centre), src - 1).astype(np.int64)
-    return (i[:, None] * src + i[None, :]).reshape(-1, 1).astype(np.int32), np.ones((dst * dst, 1), np.float32)
-  lo = np.floor(centre - 0.5)
-  frac = centre - 0.5 - lo
-  taps = np.clip(np.stack([lo, lo + 1], -1), 0, src - 1).astype(np.int64)   # [dst, 2]
-  w = np.stack([1 - frac, frac], -1)                                         # [dst, 2]
-  rows = taps[:, None, :, None] * src + taps[None, :, None, :]               # [dst, dst, 2, 2]
-  weights = w[:, None, :, None] * w[None, :, None, :]
-  return rows.reshape(dst * dst, 4).astype(np.int32), weights.reshape(dst * dst, 4).astype(np.float32)
-
-
 def add_upsampled(x: Array, cache: Array, src: int, dst: int, method: str) -> Array:
-  """x [B, dst * dst, H, D] + cache [B, src * src, H, D] resampled onto x's grid, summed in float32,
-  in x's dtype: static taps, one gather-and-add that XLA fuses (no float32 grid in memory)."""
-  rows, weights = upsample_taps(src, dst, method)
+  """x [B, dst * dst, H, D] + cache [B, src * src, H, D] resampled onto x's grid by `method` (one of
+  UPSAMPLING), summed in float32, in x's dtype: static taps (`resample.grid_taps`), one
+  gather-and-add that XLA fuses (no float32 grid in memory)."""
+  rows, weights = resample.grid_taps(src, dst, UPSAMPLING[method])
   acc = x.astype(jnp.float32)
   for t in range(rows.shape[1]):
     acc = acc + jnp.asarray(weights[:, t])[None, :, None, None] * cache[:, rows[:, t]].astype(jnp.float32)
@@ -223,10 +204,73 @@ class CSLAHooks(BlockHooks):
     return attn_lib.attention(q, k, v, mask=self.mask, scale=scale, kv_len=kv_len, backend=backend), state
 
 
+def _csla_rows(patch_nums, query_scale, sink_scales, windows) -> RowsFn:
+  """Token rows of SparVAR's CSLA mask for the queries of scale `query_scale`."""
+  pns = tuple(patch_nums)
+  offsets = np.concatenate([[0], np.cumsum([p * p for p in pns])])
+  lk = int(offsets[query_scale + 1])
+  side = pns[query_scale]
+  first_window = query_scale + 1 - len(windows)
+
+  def rows(q0, q1):
+    qy, qx = np.divmod(np.arange(q0, q1), side)
+    out = np.zeros((1, q1 - q0, lk), bool)
+    out[0, :, :offsets[sink_scales]] = True
+    for w, h in zip(windows, range(first_window, query_scale + 1)):
+      ky, kx = np.divmod(np.arange(pns[h] * pns[h]), pns[h])
+      # Query position mapped onto scale h's grid (the paper's round(x / H_k * H_h)).
+      cy, cx = np.round(qy / side * pns[h]), np.round(qx / side * pns[h])
+      near = ((np.abs(cy[:, None] - ky[None]) <= w // 2)
+              & (np.abs(cx[:, None] - kx[None]) <= w // 2))
+      out[0, :, offsets[h]:offsets[h + 1]] |= near
+    return out
+  return rows
+
+
+def csla_layout(patch_nums: Sequence[int], *, sink_scales: int = 5,
+                windows: Sequence[int] = (3, 5, 7), query_scale: int = -1,
+                block_q: int = 128, block_k: int = 128, block_wise: bool = True,
+                point_windows: int = 0) -> pk.BlockLayout:
+  """SparVAR's cross-scale local sparse attention for the queries of one scale.
+
+  Queries: the tokens of scale `query_scale` (default the last); keys: every
+  token of scales 0..query_scale. Keys of the first `sink_scales` scales are seen
+  by every query; the last len(windows) scales up to the query scale get square
+  windows of those sides (windows[-1] on the query scale itself) around each
+  query's position mapped onto their grid. `block_wise` (the paper's kernel)
+  computes every tile the token mask touches densely; otherwise the token mask
+  is kept inside partial tiles.
+
+  `point_windows` more scales just below the windowed ones get windows of side
+  1: each query also sees the one token at its mapped position there. The
+  paper's text has none; 2 (windows 1, 1, 3, 5, 7 on the last five scales)
+  reproduces all 11 block sparsities of SparVAR's Table 4 exactly, read as
+  FlexAttention's BlockMask.sparsity() (pallas_kernels/NOTES.md, CSLA density note). The
+  default 0 follows the text.
+  """
+  pns = tuple(int(p) for p in patch_nums)
+  n = len(pns)
+  qs = query_scale % n if -n <= query_scale < n else None
+  if qs is None:
+    raise ValueError(f'query_scale {query_scale} out of range for {n} scales')
+  if not 0 <= sink_scales <= qs + 1:
+    raise ValueError(f'sink_scales must be in [0, {qs + 1}], got {sink_scales}')
+  if point_windows < 0:
+    raise ValueError(f'point_windows must be >= 0, got {point_windows}')
+  windows = (1,) * point_windows + tuple(windows)
+  if len(windows) > qs + 1 or any(w < 1 for w in windows):
+    raise ValueError(f'windows {tuple(windows)} must be positive sides for at most '
+                     f'{qs + 1} scales')
+  rows = _csla_rows(pns, qs, sink_scales, tuple(int(w) for w in windows))
+  lq, lk = pns[qs] ** 2, sum(p * p for p in pns[:qs + 1])
+  token = pk.layout_from_rows(rows, 1, lq, lk, block_q, block_k)
+  return pk.whole_tile_layout(token) if block_wise else token
+
+
 @functools.lru_cache(maxsize=32)
 def _csla(patch_nums, query_scale, sink_scales, windows, point_windows, block):
-  return pk.csla_layout(patch_nums, sink_scales=sink_scales, windows=windows, query_scale=query_scale,
-                        block_q=block, block_k=block, point_windows=point_windows)
+  return csla_layout(patch_nums, sink_scales=sink_scales, windows=windows, query_scale=query_scale,
+                     block_q=block, block_k=block, point_windows=point_windows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +282,7 @@ class SparVAR(Presets, ScalePolicy):
     group          -- C, queries per CS4A query group (192);
     sink_scales    -- the first scales, every token of which each sparse query sees (5);
     cs4a_layers    -- fraction of the blocks, from the first, that run CS4A; the rest CSLA (0.6);
-    windows, point_windows, block -- CSLA's layout (`pallas_kernels.csla_layout`);
+    windows, point_windows, block -- CSLA's layout (`csla_layout`);
     cache          -- add CS4A's O_cache (Table 5's ablation turns it off);
     cache_upsample -- how O_cache reaches a larger scale: 'linear' (bilinear) or 'nearest';
     source         -- where the setting comes from (presets say).
@@ -262,28 +306,30 @@ class SparVAR(Presets, ScalePolicy):
     object.__setattr__(self, 'sparse', tuple(sorted(int(s) for s in self.sparse)))
     object.__setattr__(self, 'windows', tuple(int(w) for w in self.windows))
     if not self.sparse or any(s <= self.decision for s in self.sparse):
-      raise _error('sparse', f'sides {self.sparse} must be non-empty and larger than decision={self.decision}')
+      raise setting_error(self, 'sparse',
+                          f'sides {self.sparse} must be non-empty and larger than decision={self.decision}')
     if not 0.0 < self.topk <= 1.0:
-      raise _error('topk', f'must be in (0, 1], got {self.topk}')
+      raise setting_error(self, 'topk', f'must be in (0, 1], got {self.topk}')
     if not 0.0 <= self.cs4a_layers <= 1.0:
-      raise _error('cs4a_layers', f'must be in [0, 1], got {self.cs4a_layers}')
+      raise setting_error(self, 'cs4a_layers', f'must be in [0, 1], got {self.cs4a_layers}')
     if self.group < 16 or self.group % 16:
-      raise _error('group', f'must be a positive multiple of 16 (the kernel query block), got {self.group}')
+      raise setting_error(self, 'group',
+                          f'must be a positive multiple of 16 (the kernel query block), got {self.group}')
     if self.cache_upsample not in UPSAMPLING:
-      raise _error('cache_upsample', f'must be one of {UPSAMPLING}, got {self.cache_upsample!r}')
+      raise setting_error(self, 'cache_upsample', f'must be one of {tuple(UPSAMPLING)}, got {self.cache_upsample!r}')
     if self.sink_scales < 0:
-      raise _error('sink_scales', f'must be >= 0, got {self.sink_scales}')
+      raise setting_error(self, 'sink_scales', f'must be >= 0, got {self.sink_scales}')
 
   def bind(self, sched: ScaleSchedule, depth: int) -> 'SparVAR':
     pns = sched.patch_nums
     for field, sides in (('decision', (self.decision,)), ('sparse', self.sparse)):
       missing = [s for s in sides if s not in pns]
       if missing:
-        raise _error(field, f'scales {missing} are not in the schedule {pns}')
+        raise setting_error(self, field, f'scales {missing} are not in the schedule {pns}')
     s = pns.index(self.decision)
     if self.sink_scales > s + 1:
-      raise _error('sink_scales', f'{self.sink_scales} sink scales reach past the decision scale '
-                   f'{self.decision} (index {s})')
+      raise setting_error(self, 'sink_scales', f'{self.sink_scales} sink scales reach past the decision scale '
+                          f'{self.decision} (index {s})')
     bound = dataclasses.replace(self, patch_nums=pns)
     for side in self.sparse:   # the layouts' own checks, before anything compiles
       _csla(pns, pns.index(side), self.sink_scales, self.windows, self.point_windows, self.block)

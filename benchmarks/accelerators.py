@@ -298,7 +298,7 @@ def family_main(args) -> None:
   E-CAR baseline (250 Euler steps, cfg 1.5, the VAE decoder included), random weights (official init),
   per model and batch the baseline and each preset: compiled in a pool, then timed alone as the VAR
   rows (medians of --iters calls after --warmup)."""
-  from accel.families import family_from_config   # pylint: disable=import-outside-toplevel
+  from sampling import family_from_config   # pylint: disable=import-outside-toplevel
   batches = [int(b) for b in args.batches.split(',')]
   makers, futures, order = {}, [], []
   with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
@@ -309,11 +309,10 @@ def family_main(args) -> None:
         sample = family.make(policy_from_spec(spec, family.name))
         labels = np.arange(batch, dtype=np.int32) % family.num_classes
         def arguments(i, sample=sample, labels=labels, family=family):
-          args, kwargs = family.call(jax.random.key(i), labels)
-          return sample.arguments(*args, **kwargs)
+          return sample.arguments(family.params, jax.random.key(i), labels, **family.opts)
         makers[label, batch, spec] = arguments
-        first, first_kw = family.call(jax.random.key(0), labels)
-        futures.append(compile_in(pool, (label, batch, spec), sample.lower(*first, **first_kw)))
+        futures.append(compile_in(pool, (label, batch, spec),
+                                  sample.lower(family.params, jax.random.key(0), labels, **family.opts)))
         order.append((label, batch, spec))
     compiled = dict(f.result() for f in futures)
   wait_for(args.wait_for)

@@ -18,7 +18,6 @@ import argparse
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import ecar
@@ -34,16 +33,17 @@ def model_config(variant: str, dtype: str, backend: str):
   return ecar.ecar_config(c)
 
 
-def time_sampler(cfg, params, vae, batch: int, steps: int, cfg_scale: float, warmup: int, iters: int,
+def time_sampler(cfg, params, vae, batch: int, steps: int, guidance: float, warmup: int, iters: int,
                  profile: str = '') -> dict:
   sample = ecar.make_sampler(cfg, num_steps=steps)
   labels = np.arange(batch, dtype=np.int32) % cfg.num_classes
-  lab, scale = jnp.asarray(labels), jnp.float32(cfg_scale)
-  compiled, row = time_compiled(sample.lower(params, vae, jax.random.key(0), labels, cfg_scale=cfg_scale),
-                                lambda i: (params, vae, jax.random.key(i), lab, scale), batch, warmup, iters)
+  both = {'ecar': params, 'vae': vae}
+  compiled, row = time_compiled(sample.lower(both, jax.random.key(0), labels, cfg=guidance),
+                                lambda i: sample.arguments(both, jax.random.key(i), labels, cfg=guidance),
+                                batch, warmup, iters)
   if profile:
-    print_top_device_ops(lambda: jax.block_until_ready(compiled(params, vae, jax.random.key(7), lab, scale)),
-                         profile)
+    print_top_device_ops(lambda: jax.block_until_ready(
+        compiled(*sample.arguments(both, jax.random.key(7), labels, cfg=guidance))), profile)
   return row
 
 
@@ -52,7 +52,7 @@ def main():
   ap.add_argument('--variants', default='S,B,L')
   ap.add_argument('--batches', default='1,16')
   ap.add_argument('--steps', type=int, default=250, help='Euler steps in all, split over the stages')
-  ap.add_argument('--cfg_scale', type=float, default=1.5)
+  ap.add_argument('--cfg', type=float, default=1.5)
   ap.add_argument('--dtype', default='bfloat16')
   ap.add_argument('--backend', default='cudnn')
   ap.add_argument('--warmup', type=int, default=3)
@@ -76,7 +76,7 @@ def main():
             f"({flops['per_image_without_decode'] / 1e9:.1f} G without the VAE decoder"
             f"{f'; paper {paper:g} T' if paper else ''}), steps per stage {flops['steps_per_stage']}", flush=True)
     for batch in [int(b) for b in args.batches.split(',')]:
-      r = time_sampler(cfg, params, vae, batch, args.steps, args.cfg_scale, args.warmup, args.iters,
+      r = time_sampler(cfg, params, vae, batch, args.steps, args.cfg, args.warmup, args.iters,
                        args.profile)
       r.update(variant=variant, batch=batch, steps=args.steps, dtype=args.dtype, backend=args.backend,
                tflops_per_image=None if not flops else flops['per_image'] / 1e12)

@@ -26,7 +26,7 @@ import numpy as np
 
 import ecar
 from accel.fidelity import parse_seeds
-from accel.families import family_from_config
+from sampling import family_from_config
 from ecar.policy import StagePolicy
 from ecar.sampler import steps_per_stage
 from timing import call_times
@@ -58,14 +58,14 @@ class ChangeRecorder(StagePolicy):
   def _store(self, stage, step, change_c, change_r):
     self.records.setdefault((int(stage), int(step)), []).append((np.asarray(change_c), np.asarray(change_r)))
 
-  def guided_velocity(self, stage, step, x, denoise, cfg_scale, state):
+  def guided_velocity(self, stage, step, x, denoise, guidance, state):
     v_c, v_u = (v.astype(jnp.float32) for v in denoise.both(x))
     prev_c, prev_r = state[stage]
     jax.lax.cond(step > 0, lambda: jax.debug.callback(
         self._store, stage, step, _rel_change(v_c, prev_c, self.patch), _rel_change(v_u - v_c, prev_r, self.patch)),
         lambda: None)
     state = state[:stage] + (jnp.stack([v_c, v_u - v_c]),) + state[stage + 1:]
-    return v_u + cfg_scale * (v_c - v_u), state
+    return v_u + guidance * (v_c - v_u), state
 
 
 def change_report(args) -> None:
@@ -79,9 +79,8 @@ def change_report(args) -> None:
   sample = family.make(recorder)
   for seed in parse_seeds(args.seeds):
     labels = np.array([seed % family.num_classes], np.int32)
-    a, kw = family.call(jax.random.key(seed), labels)
-    jax.block_until_ready(sample(*a, **kw))
-  steps = steps_per_stage(cfg, family.opts['num_steps'])
+    jax.block_until_ready(sample(family.params, jax.random.key(seed), labels, **family.opts))
+  steps = steps_per_stage(cfg, family.settings['num_steps'])
   print(f'{len(parse_seeds(args.seeds))} images, {steps} Euler steps, tokens per stage {cfg.stage_tokens}')
   print('| stage | tokens | quantity | median | p10 | p90 | tokens < 1 % | < 5 % | < 10 % |\n' + '| --- ' * 9 + '|')
   for s in range(cfg.num_stages):
@@ -107,9 +106,9 @@ def cost_report(args) -> None:
     ms = []
     for steps in cuts:
       sample = ecar.make_sampler(cfg, num_steps=steps)
-      compiled = sample.lower(params['ecar'], params['vae'], jax.random.key(0), labels, cfg_scale=1.5).compile()
+      compiled = sample.lower(params, jax.random.key(0), labels, cfg=1.5).compile()
       times = call_times(compiled, lambda i, sample=sample: sample.arguments(
-          params['ecar'], params['vae'], jax.random.key(i), labels, cfg_scale=1.5), args.warmup, args.iters)
+          params, jax.random.key(i), labels, cfg=1.5), args.warmup, args.iters)
       ms.append(statistics.median(times) * 1e3)
     for s in range(cfg.num_stages):
       step = (ms[0] - ms[s + 1]) / (full[s] - 1)

@@ -1,4 +1,4 @@
-"""Kernel benchmarks of pallas_kernels (issue 6), side by side in one run.
+"""Kernel benchmarks of pallas_kernels, side by side in one run.
 
 (a) SparVAR's Table 1 shape (bf16, q 4096, kv 10521, head dim 128, 24 heads):
     the CSLA layout (sinks: scales <= 5; windows 3, 5, 7 on the last three
@@ -22,7 +22,7 @@
     the achieved fraction of the floor of the gathered work.
 (e) Column sums per query group (SparVAR's CS4A decision scale, Infinity-2B 1024 px:
     q 1600, the 4121 keys of a 10521-row KV buffer, group 192): the plain-jnp
-    computation accel.sparvar used (materialised logits and probabilities), the
+    computation (materialised logits and probabilities), the
     dense flash forward with lse, the column-sum kernel given that lse (block_k /
     num_warps variants) and both together, against cuDNN dense attention on the
     same q, k, v, with the kernel's fraction of its floor.
@@ -50,6 +50,8 @@ import numpy as np
 
 import pallas_kernels as pk
 from pallas_kernels import reference
+from accel.fastvar import pts_scores
+from accel.sparvar import csla_layout
 
 INFINITY_1024 = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
 VAR_256 = (1, 2, 3, 4, 5, 6, 8, 10, 13, 16)
@@ -144,8 +146,8 @@ def bench_csla(args, ceil):
   pns = (1, 2, 4, 6, 8) if smoke else INFINITY_1024
   b, h, d = 1, (2 if smoke else 24), (16 if smoke else 128)
   blk = 16 if smoke else 128
-  sparse = pk.csla_layout(pns, sink_scales=2 if smoke else 5, windows=(3, 5, 7),
-                          block_q=blk, block_k=blk)
+  sparse = csla_layout(pns, sink_scales=2 if smoke else 5, windows=(3, 5, 7),
+                       block_q=blk, block_k=blk)
   lq, lk = sparse.lq, sparse.lk
   dense = pk.dense_layout(lq, lk, blk, blk)
   density = pk.layout_density(sparse)
@@ -342,7 +344,7 @@ def bench_gather(args, ceil):
     n_sets = -(-n_sets // group) * group
     key = jax.random.key(3)
     xs = [_normal(jax.random.fold_in(key, i), (b, n, c)) for i in range(n_sets)]
-    scores = [reference.pts_scores(x) for x in xs]
+    scores = [pts_scores(x) for x in xs]
     idx = [jax.lax.top_k(s, k)[1] for s in scores]
     new = [_normal(jax.random.fold_in(key, 100 + i), (b, k, c)) for i in range(n_sets)]
 

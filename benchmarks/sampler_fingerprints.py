@@ -14,11 +14,11 @@ import jax
 import numpy as np
 
 from accel import ECARConditionCache, FastVAR, LazyMAR, LazyVAR, SparVAR, compose
-from accel.families import family_from_config
 from accel.specs import BASELINES
 from configs import ecar as ecar_configs
 from configs import mar as mar_configs
 from configs import var as var_configs
+from sampling import family_from_config
 
 POLICIES = {
     'var': {'baseline': BASELINES['var'](),
@@ -46,8 +46,7 @@ def main():
     family = family_from_config(module.get_config('tiny'), overrides=overrides, key=jax.random.key(7))
     for spec, policy in POLICIES[name].items():
       sample = family.make(policy)
-      args, kwargs = family.call(jax.random.key(11), labels)
-      images, aux = sample(*args, **kwargs)
+      images, aux = sample(family.params, jax.random.key(11), labels, **family.opts)
       tokens = family.tokens(aux)
       print(name, spec, digest(images), digest(np.concatenate([np.ravel(t) for t in tokens])) if tokens else '-',
             flush=True)

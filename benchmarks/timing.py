@@ -11,6 +11,8 @@ from typing import Callable
 
 import jax
 
+from accel.timing import timed_calls
+
 
 def xla_variants(spec: str) -> list[dict]:
   """'a=1,b=true;c=x' -> [{'a': 1, 'b': True}, {'c': 'x'}]: one dict of XLA compiler
@@ -42,15 +44,9 @@ def time_compiled(lowered, make_args: Callable[[int], tuple], batch: int, warmup
 
 def call_times(compiled, make_args: Callable[[int], tuple], warmup: int, iters: int) -> list[float]:
   """Seconds of each of `iters` calls compiled(*make_args(i)) after `warmup` calls, each timed on
-  the host after block_until_ready."""
-  times = []
-  for i in range(warmup + iters):
-    args = make_args(i)
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    if i >= warmup:
-      times.append(time.perf_counter() - t0)
-  return times
+  the host after block_until_ready (`accel.timing.timed_calls`)."""
+  calls = map(make_args, range(warmup + iters))
+  return [seconds for _, seconds in timed_calls(compiled, calls, warmup)]
 
 
 def entry_op_counts(compiled) -> dict:

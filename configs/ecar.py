@@ -59,7 +59,7 @@ VARIANTS = ('S', 'B', 'L', 'S_no_ar', 'B_no_ar', 'L_no_ar', 'S_patch1', 'B_patch
 # AR depth, width, heads (Table 1); denoiser layers per stage; training iterations.
 _SIZES = {'S': (10, 768, 6, (1, 3, 3), 400_000), 'B': (20, 1024, 16, (3, 4, 6), 400_000),
           'L': (24, 1152, 16, (5, 6, 8), 800_000)}
-# The patch-1 ablation keeps the depths it was first built with (2 / 4 / 6 on every stage).
+# The patch-1 ablation's denoisers: 2 / 4 / 6 layers on every stage (benchmarks/RESULTS.md, "E-CAR patch-1 sampling").
 _PATCH1_DEPTHS = {'S': 2, 'B': 4, 'L': 6}
 
 
@@ -83,7 +83,7 @@ def _paper(variant: str, patch_size: int = 4) -> ml_collections.ConfigDict:
   c.gradnorm = ml_collections.ConfigDict(dict(lr=1e-3, alpha=1.5, layer='ar/norm', min_weight=1e-3))
   c.dtype = 'float32'            # compute dtype (TF32 matmuls on NVIDIA GPUs); parameters stay float32
   c.attn_backend = 'cudnn'       # 'xla' runs everywhere; 'cudnn' needs an NVIDIA GPU
-  c.sample = ml_collections.ConfigDict(dict(num_steps=250, cfg_scale=1.5, seed=0, batch_size=16))
+  c.sample = ml_collections.ConfigDict(dict(num_steps=250, cfg=1.5, seed=0, batch_size=16))
   c.train = common.train_config(steps=steps, batch_size=256, lr=1e-4, b1=0.9, b2=0.999, weight_decay=0.0,
                                 schedule='constant', grad_clip=0.0, ema_decay=0.9999)
   c.data = common.data_config(source='imagenet', crop='center', hflip=True)
@@ -113,9 +113,9 @@ def _tiny() -> ml_collections.ConfigDict:
   c.gradnorm.lr = 1e-2
   c.dtype = 'float32'
   c.attn_backend = 'xla'
-  c.sample.update(num_steps=30, cfg_scale=3.0, batch_size=10)
-  # lr 2e-3 and EMA 0.99 (from 1e-3 and 0.995): 94 % of the final samples recognised as their class
-  # against 85 %, at the same cost (benchmarks/RESULTS.md, built-in data).
+  c.sample.update(num_steps=30, cfg=3.0, batch_size=10)
+  # lr 2e-3 and EMA 0.99: 94 % of the final samples recognised as their class, against 85 % at lr 1e-3
+  # and EMA 0.995, at the same cost (benchmarks/RESULTS.md, "The README's main job").
   c.train.update(steps=600, batch_size=32, lr=2e-3, warmup_steps=30, ema_decay=0.99, grad_clip=1.0,
                  log_every=20, ckpt_every=200, sample_every=200, sample_per_class=2, sample_classes=10)
   c.data.update(source='synthetic', num_examples=5000, crop='center', hflip=False, workers=0, threads=2)

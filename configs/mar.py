@@ -25,10 +25,11 @@ def _released(variant: str) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.family = 'mar'
   c.variant = variant
+  c.num_classes = 1000
   c.model = ml_collections.ConfigDict(dict(
       img_size=256, vae_stride=16, patch_size=1, encoder_embed_dim=width, encoder_depth=depth,
       encoder_num_heads=heads, decoder_embed_dim=width, decoder_depth=depth, decoder_num_heads=heads,
-      mlp_ratio=4.0, vae_embed_dim=16, mask_ratio_min=0.7, label_drop_prob=0.1, class_num=1000,
+      mlp_ratio=4.0, vae_embed_dim=16, mask_ratio_min=0.7, label_drop_prob=0.1,
       attn_dropout=0.1, proj_dropout=0.1, buffer_size=64, diffloss_d=dl_depth, diffloss_w=dl_width,
       num_sampling_steps='100', diffusion_batch_mul=4))
   c.vae = ml_collections.ConfigDict(dict(
@@ -54,7 +55,8 @@ def _tiny() -> ml_collections.ConfigDict:
   c.variant = 'tiny'
   c.model.update(img_size=32, vae_stride=8, encoder_embed_dim=32, encoder_depth=2, encoder_num_heads=2,
                  decoder_embed_dim=48, decoder_depth=1, decoder_num_heads=2, vae_embed_dim=4,
-                 class_num=10, buffer_size=4, diffloss_d=2, diffloss_w=32, num_sampling_steps='10')
+                 buffer_size=4, diffloss_d=2, diffloss_w=32, num_sampling_steps='10')
+  c.num_classes = 10
   c.vae.update(embed_dim=4, z_channels=4, ch=32, ch_mult=(1, 2, 2, 2), num_res_blocks=1)
   c.dtype = 'float32'
   c.attn_backend = 'xla'

@@ -34,8 +34,9 @@ adversarial gradient swamps the pixel loss: the reconstructions collapse to blob
 `small256` and its tokenizer `vqvae_small256` are the trained model the accelerators
 (`accel`) are judged on, since no official weights can be downloaded here: VAR at
 256 px on the official 10 scales, on the built-in shapes (10 classes), sized for a few
-GPU minutes each (on one H200, 600 tokenizer and 1000 VAR steps took 1.6 and 2.6 minutes
-with compiles: benchmarks/RESULTS.md, issue 22). The VAR is depth 8 (width 512, 8
+GPU minutes each (on one H200, 600 tokenizer and 1000 VAR steps take 1.6 and 2.6 minutes
+with compiles; the accelerators' figures on that model: benchmarks/RESULTS.md, "VAR
+accelerators: fidelity on the small trained VAR"). The VAR is depth 8 (width 512, 8
 heads, 4 x MLP, the official block), trained 1500 steps at batch 64 (AdamW as the
 paper's, lr 5e-4 after 200 warm-up steps, linear decay to 10 %). The tokenizer has
 the official architecture at width 32 (ch_mult 1,1,2,2,4; one res block per level),

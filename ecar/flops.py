@@ -28,7 +28,7 @@ def sampling_flops(cfg: ECARConfig, *, num_steps: Union[int, Sequence[int]] = 25
   vae = jax.eval_shape(lambda k: init_vae_params(cfg, k), jax.random.key(0))
   key = jax.eval_shape(lambda: jax.random.key(0))
   labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
-  total = flops(sampler._sample, params, vae, key, labels, jax.ShapeDtypeStruct((), jnp.float32))
+  total = flops(sampler._sample, {'ecar': params, 'vae': vae}, key, labels, jax.ShapeDtypeStruct((), jnp.float32))
   x0 = jax.ShapeDtypeStruct((batch, *cfg.data_shape), jnp.float32)
   dec = flops(lambda v, x: decode(cfg, v, x), vae, x0)
   return {'per_image': total / batch, 'per_image_without_decode': (total - dec) / batch, 'decode': dec / batch,

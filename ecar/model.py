@@ -45,9 +45,9 @@ import numpy as np
 from ecar.config import ECARConfig
 from ecar.flow import up2
 from ecar.layers import DiTBlock, FinalLayer, patchify, unpatchify
-from var_models.mar.diffloss import TimestepEmbedder
 from var_models.nn import attention as attn_lib
 from var_models.nn.blocks import BlockHooks, merged_modulations
+from var_models.nn.timestep import TimestepEmbedder
 from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
 
 Array = jax.Array

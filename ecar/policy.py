@@ -61,11 +61,11 @@ class StagePolicy:
     base = jnp.zeros((r.shape[0], num_tokens, r.shape[-1]), r.dtype)
     return tok.scatter(base, idx, r), state
 
-  def guided_velocity(self, stage: int, step: Array, x: Array, denoise: Denoise, cfg_scale: Array,
+  def guided_velocity(self, stage: int, step: Array, x: Array, denoise: Denoise, guidance: Array,
                       state: Any):
     """The velocity [B, g, g, D] at Euler step `step` (traced int) of `stage`, and the new state."""
     v_cond, v_uncond = denoise.both(x)
-    return v_uncond + cfg_scale * (v_cond - v_uncond), state
+    return v_uncond + guidance * (v_cond - v_uncond), state
 
 
 BASELINE = StagePolicy()

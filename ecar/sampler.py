@@ -1,8 +1,9 @@
 """E-CAR's class-conditional sampler, compiled whole.
 
-    sample = make_sampler(cfg, num_steps=250)            # optionally policy=..., return_intermediates=True
-    images, aux = sample(params, vae_params, key, labels, cfg_scale=1.5)
+    sample = make_sampler(ecar_cfg, num_steps=250)       # optionally policy=..., return_intermediates=True
+    images, aux = sample(params, key, labels, cfg=1.5)
 
+`params = {'ecar': ..., 'vae': ...}` (no 'vae' in pixel space);
 images [B, H, W, 3] in [0, 1]. The batch is doubled for classifier-free guidance
 ([cond; uncond] with the null class). Stage loop in Python (each stage has its
 own shapes): stage 0 starts from unit noise on the coarsest grid; stage s > 0
@@ -55,35 +56,41 @@ def steps_per_stage(cfg: ECARConfig, num_steps: Union[int, Sequence[int]]) -> tu
   return steps
 
 
+def check_sample_args(ecar_cfg: ECARConfig, labels, cfg: float) -> None:
+  """The call's labels and guidance scale `cfg` (any finite value; 1 is no guidance)."""
+  check_labels(labels, ecar_cfg.num_classes)
+  if not np.isfinite(cfg):
+    raise ValueError(f'cfg must be finite, got {cfg}')
+
+
 class _Sampler:
   """Static parts (config, steps, policy); `__call__` is the public sampler."""
 
-  def __init__(self, cfg: ECARConfig, steps: tuple[int, ...], policy: StagePolicy, return_intermediates: bool):
-    self.cfg, self.steps, self.policy = cfg, steps, policy.bind(cfg)
-    self.model, self.flow = ECAR(cfg), cfg.flow
+  def __init__(self, ecar_cfg: ECARConfig, steps: tuple[int, ...], policy: StagePolicy, return_intermediates: bool):
+    self.cfg, self.steps, self.policy = ecar_cfg, steps, policy.bind(ecar_cfg)
+    self.model, self.flow = ECAR(ecar_cfg), ecar_cfg.flow
     self.return_intermediates = return_intermediates
     self._jitted = jax.jit(self._sample)
 
-  def __call__(self, params, vae_params, key: Array, labels, *, cfg_scale: float):
-    return self._jitted(*self._checked(params, vae_params, key, labels, cfg_scale))
+  def __call__(self, params, key: Array, labels, *, cfg: float = 1.5):
+    return self._jitted(*self._checked(params, key, labels, cfg))
 
-  def lower(self, params, vae_params, key, labels, *, cfg_scale: float):
+  def lower(self, params, key, labels, *, cfg: float = 1.5):
     """The lowered program (for compile time and FLOP accounting); params may be ShapeDtypeStructs."""
-    return self._jitted.lower(*self._checked(params, vae_params, key, labels, cfg_scale))
+    return self._jitted.lower(*self._checked(params, key, labels, cfg))
 
-  def arguments(self, params, vae_params, key, labels, *, cfg_scale: float) -> tuple:
+  def arguments(self, params, key, labels, *, cfg: float = 1.5) -> tuple:
     """The arguments of the program `lower` returns, for the same call (to run it compiled)."""
-    return self._checked(params, vae_params, key, labels, cfg_scale)
+    return self._checked(params, key, labels, cfg)
 
-  def _checked(self, params, vae_params, key, labels, cfg_scale):
-    check_labels(labels, self.cfg.num_classes)
-    if not np.isfinite(cfg_scale):
-      raise ValueError(f'cfg_scale must be finite, got {cfg_scale}')
-    if self.cfg.latent_space == 'vae' and vae_params is None:
-      raise ValueError("vae_params are required in latent space (config.latent_space='vae')")
-    return params, vae_params, key, jnp.asarray(labels, jnp.int32), jnp.float32(cfg_scale)
+  def _checked(self, params, key, labels, cfg):
+    check_sample_args(self.cfg, labels, cfg)
+    if self.cfg.latent_space == 'vae' and params.get('vae') is None:
+      raise ValueError("params['vae'] is required in latent space (config.latent_space='vae')")
+    return params, key, jnp.asarray(labels, jnp.int32), jnp.float32(cfg)
 
-  def _sample(self, params, vae_params, key, labels, cfg_scale):
+  def _sample(self, all_params, key, labels, guidance):
+    params, vae_params = all_params['ecar'], all_params.get('vae')
     cfg, b = self.cfg, labels.shape[0]
     dens = [f'denoiser_{s}' for s in range(cfg.num_stages)]
     v = {'params': {**params, **{d: dense_params_in(params[d], cfg.dtype) for d in dens}}}
@@ -105,7 +112,7 @@ class _Sampler:
       cond = self.model.apply(v, s, r, method=ECAR.den_condition)
       adaln = merged_adaln(v['params'][dens[s]])
       x, state = jax.lax.fori_loop(
-          0, self.steps[s], lambda i, c: self.euler_step(v, s, i, c[0], cond, cfg_scale, c[1], adaln), (x, state))
+          0, self.steps[s], lambda i, c: self.euler_step(v, s, i, c[0], cond, guidance, c[1], adaln), (x, state))
       if self.return_intermediates:
         aux['r'].append(r[:b])
         aux['ends'].append(x)
@@ -124,11 +131,11 @@ class _Sampler:
       r, state = policy.restore_output(s, r, sel, self.cfg.stage_tokens[s], state)
     return r, kvs, state
 
-  def euler_step(self, v, s: int, i: Array, x: Array, cond: Array, cfg_scale: Array, state: Any,
+  def euler_step(self, v, s: int, i: Array, x: Array, cond: Array, guidance: Array, state: Any,
                  adaln: Optional[tuple[Array, Array]] = None):
     """One Euler step of stage s: x [B, g, g, D] at local time i / n -> (x + v / n, state).
     cond [2B, N_s, W] is the denoiser's condition from the AR ([cond; uncond]); adaln its merged
-    adaLN weights (`layers.merged_adaln`)."""
+    adaLN weights (`layers.merged_adaln`); guidance the call's `cfg`."""
     n, b = self.steps[s], x.shape[0]
     ts = flow_lib.timestep(self.flow, s, jnp.full((2 * b,), i, jnp.float32) / n)
     vel = lambda xx, c, t: self.model.apply(v, s, xx, t, c, adaln, method=ECAR.den_velocity)
@@ -138,14 +145,14 @@ class _Sampler:
       return out[:b], out[b:]
 
     denoise = Denoise(both, lambda xx: vel(xx, cond[:b], ts[:b]))
-    velocity, state = self.policy.guided_velocity(s, i, x, denoise, cfg_scale, state)
+    velocity, state = self.policy.guided_velocity(s, i, x, denoise, guidance, state)
     return x + velocity / n, state
 
 
-def make_sampler(cfg: ECARConfig, *, num_steps: Union[int, Sequence[int]] = 250,
+def make_sampler(ecar_cfg: ECARConfig, *, num_steps: Union[int, Sequence[int]] = 250,
                  policy: Optional[StagePolicy] = None, return_intermediates: bool = False):
-  """A pure, jit-compiled sampler `sample(params, vae_params, key, labels, *, cfg_scale) -> (images, aux)`.
+  """A pure, jit-compiled sampler `sample(params, key, labels, *, cfg) -> (images, aux)`.
 
   num_steps: Euler steps in all (split over the stages) or one count per stage.
   """
-  return _Sampler(cfg, steps_per_stage(cfg, num_steps), policy or BASELINE, return_intermediates)
+  return _Sampler(ecar_cfg, steps_per_stage(ecar_cfg, num_steps), policy or BASELINE, return_intermediates)

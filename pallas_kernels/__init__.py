@@ -10,19 +10,19 @@ from pallas_kernels.column_sums import group_column_sums
 from pallas_kernels.dense_gelu import dense_gelu
 from pallas_kernels.dispatch import IMPLS, override, resolve
 from pallas_kernels.gathered_attention import gathered_attention
-from pallas_kernels.layout import (BlockLayout, csla_layout, default_block, dense_layout,
-                                   layout_density, layout_from_mask, layout_from_rows,
-                                   level_causal_layout, scale_causal_layout, schedule_levels)
-from pallas_kernels.reference import masked_attention, pts_scores
+from pallas_kernels.layout import (BlockLayout, default_block, dense_layout, layout_density,
+                                   layout_from_mask, layout_from_rows, level_causal_layout,
+                                   scale_causal_layout, schedule_levels, whole_tile_layout)
+from pallas_kernels.reference import masked_attention
 from pallas_kernels.sparse_attention import block_sparse_attention
 from pallas_kernels.top_k import top_k_indices
-from pallas_kernels.token_gather import gather_rows, pts_topk_gather, token_scatter, topk_gather
+from pallas_kernels.token_gather import gather_rows, token_scatter, topk_gather
 
 __all__ = [
     'group_column_sums', 'dense_gelu', 'IMPLS', 'override', 'resolve', 'gathered_attention',
-    'BlockLayout', 'csla_layout', 'default_block', 'dense_layout', 'layout_density',
+    'BlockLayout', 'default_block', 'dense_layout', 'layout_density',
     'layout_from_mask', 'layout_from_rows', 'level_causal_layout', 'scale_causal_layout',
-    'schedule_levels',
-    'masked_attention', 'pts_scores', 'block_sparse_attention', 'gather_rows', 'pts_topk_gather',
+    'schedule_levels', 'whole_tile_layout',
+    'masked_attention', 'block_sparse_attention', 'gather_rows',
     'token_scatter', 'topk_gather', 'top_k_indices',
 ]

@@ -213,72 +213,15 @@ def scale_causal_layout(patch_nums: Sequence[int], block_q: int = 128,
   return level_causal_layout(levels, levels, block_q, block_k)
 
 
-def _csla_rows(patch_nums, query_scale, sink_scales, windows) -> RowsFn:
-  """Token rows of SparVAR's CSLA mask for the queries of scale `query_scale`."""
-  pns = tuple(patch_nums)
-  offsets = np.concatenate([[0], np.cumsum([p * p for p in pns])])
-  lk = int(offsets[query_scale + 1])
-  side = pns[query_scale]
-  first_window = query_scale + 1 - len(windows)
-
-  def rows(q0, q1):
-    qy, qx = np.divmod(np.arange(q0, q1), side)
-    out = np.zeros((1, q1 - q0, lk), bool)
-    out[0, :, :offsets[sink_scales]] = True
-    for w, h in zip(windows, range(first_window, query_scale + 1)):
-      ky, kx = np.divmod(np.arange(pns[h] * pns[h]), pns[h])
-      # Query position mapped onto scale h's grid (the paper's round(x / H_k * H_h)).
-      cy, cx = np.round(qy / side * pns[h]), np.round(qx / side * pns[h])
-      near = ((np.abs(cy[:, None] - ky[None]) <= w // 2)
-              & (np.abs(cx[:, None] - kx[None]) <= w // 2))
-      out[0, :, offsets[h]:offsets[h + 1]] |= near
-    return out
-  return rows
-
-
-def csla_layout(patch_nums: Sequence[int], *, sink_scales: int = 5,
-                windows: Sequence[int] = (3, 5, 7), query_scale: int = -1,
-                block_q: int = 128, block_k: int = 128, block_wise: bool = True,
-                point_windows: int = 0) -> BlockLayout:
-  """SparVAR's cross-scale local sparse attention for the queries of one scale.
-
-  Queries: the tokens of scale `query_scale` (default the last); keys: every
-  token of scales 0..query_scale. Keys of the first `sink_scales` scales are seen
-  by every query; the last len(windows) scales up to the query scale get square
-  windows of those sides (windows[-1] on the query scale itself) around each
-  query's position mapped onto their grid. `block_wise` (the paper's kernel)
-  computes every tile the token mask touches densely; otherwise the token mask
-  is kept inside partial tiles.
-
-  `point_windows` more scales just below the windowed ones get windows of side
-  1: each query also sees the one token at its mapped position there. The
-  paper's text has none; 2 (windows 1, 1, 3, 5, 7 on the last five scales)
-  reproduces all 11 block sparsities of SparVAR's Table 4 exactly, read as
-  FlexAttention's BlockMask.sparsity() (NOTES.md, CSLA density note). The
-  default 0 follows the text.
-  """
-  pns = tuple(int(p) for p in patch_nums)
-  n = len(pns)
-  qs = query_scale % n if -n <= query_scale < n else None
-  if qs is None:
-    raise ValueError(f'query_scale {query_scale} out of range for {n} scales')
-  if not 0 <= sink_scales <= qs + 1:
-    raise ValueError(f'sink_scales must be in [0, {qs + 1}], got {sink_scales}')
-  if point_windows < 0:
-    raise ValueError(f'point_windows must be >= 0, got {point_windows}')
-  windows = (1,) * point_windows + tuple(windows)
-  if len(windows) > qs + 1 or any(w < 1 for w in windows):
-    raise ValueError(f'windows {tuple(windows)} must be positive sides for at most '
-                     f'{qs + 1} scales')
-  rows = _csla_rows(pns, qs, sink_scales, tuple(int(w) for w in windows))
-  lq, lk = pns[qs] ** 2, sum(p * p for p in pns[:qs + 1])
-  token = layout_from_rows(rows, 1, lq, lk, block_q, block_k)
-  if not block_wise:
-    return token
-  active = token.kinds() != EMPTY
+def whole_tile_layout(layout: BlockLayout) -> BlockLayout:
+  """The layout computing whole every tile `layout` touches (a block-wise mask: FlexAttention's
+  BlockMask, a block-sparse kernel without token masks). Same tiles; partial ones are left only
+  where a tile reaches past Lq or Lk."""
+  active = layout.kinds() != EMPTY   # [Hl, nQ, nK]
+  bq, bk = layout.block_q, layout.block_k
   return layout_from_rows(
-      lambda q0, q1: np.repeat(np.repeat(active[:, q0 // block_q:q0 // block_q + 1], q1 - q0, 1),
-                               block_k, 2)[:, :, :lk], 1, lq, lk, block_q, block_k)
+      lambda q0, q1: np.repeat(np.repeat(active[:, q0 // bq:q0 // bq + 1], q1 - q0, 1), bk, 2)[:, :, :layout.lk],
+      layout.heads, layout.lq, layout.lk, bq, bk)
 
 
 def layout_density(layout: BlockLayout) -> float:

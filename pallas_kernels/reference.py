@@ -89,12 +89,6 @@ def scatter_rows(base, rows, idx):
   return base.at[b, idx].set(rows.astype(base.dtype))
 
 
-def pts_scores(x):
-  """FastVAR's pivotal-token score ||x_i - mean_j x_j||^2: x [B, N, C] -> [B, N] float32."""
-  x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-  return jnp.sum(jnp.square(x - x.mean(1, keepdims=True)), -1)
-
-
 def dense_column_sums(q, k, v, kv_len: int, scale: float, group: int):
   """Dense attention over the first kv_len keys and the column sums of its probabilities per
   query group (queries [g * group, (g + 1) * group)), materialising the [B, H, Lq, kv_len]

@@ -130,8 +130,3 @@ def topk_gather(x, scores, k: int, *, impl: str = 'auto'):
     raise ValueError(f'topk_gather: k must be in [1, {x.shape[1]}], got {k}')
   _, idx = lax.top_k(scores, k)
   return gather_rows(x, idx, impl=impl), idx
-
-
-def pts_topk_gather(x, k: int, *, impl: str = 'auto'):
-  """FastVAR's pivotal tokens: the k tokens farthest from the token mean (PTS score)."""
-  return topk_gather(x, reference.pts_scores(x), k, impl=impl)

@@ -12,7 +12,7 @@ from PIL import Image
 
 from accel import ECARConditionCache, FastVAR, LazyMAR, metrics
 from accel.fidelity import compare, parse_seeds
-from accel.families import family_from_config
+from sampling import family_from_config
 from accel.specs import policy_from_spec
 from configs import ecar as ecar_configs
 from configs import mar as mar_configs

@@ -52,9 +52,9 @@ def test_stages_left_out_run_plain_guidance():
 
 def test_a_full_step_every_step_matches_the_baseline_sampler():
   params = _perturbed(ecar.init_params(CFG, jax.random.key(0)))
-  base = ecar.make_sampler(CFG, num_steps=(2, 2, 2))(params, None, jax.random.key(1), LABELS, cfg_scale=2.0)[0]
+  base = ecar.make_sampler(CFG, num_steps=(2, 2, 2))({'ecar': params}, jax.random.key(1), LABELS, cfg=2.0)[0]
   cached = ecar.make_sampler(CFG, num_steps=(2, 2, 2), policy=ECARConditionCache(interval=1))(
-      params, None, jax.random.key(1), LABELS, cfg_scale=2.0)[0]
+      {'ecar': params}, jax.random.key(1), LABELS, cfg=2.0)[0]
   np.testing.assert_allclose(cached, base, rtol=1e-5, atol=1e-5)
 
 

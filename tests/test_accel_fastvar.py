@@ -8,12 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels as pk
 from accel import FastVAR, FastVARHooks, keep_count, pivotal_tokens, restore_tokens
-from accel.fastvar import area_upsample
+from accel.fastvar import pts_scores
 from var_models.nn.attention import KVCache
 from var_models.nn.blocks import AdaLNSelfAttn, modulate, trunc_normal
-from var_models.nn.resample import area_resize
 from var_models.tokenizers.vqvae import VQVAE
 from var_models.var.sampler import make_sampler
 from var_models.var.schedules import INFINITY_1024, VAR_256
@@ -31,10 +29,18 @@ def test_pivotal_tokens_rank_each_rows_distance_from_its_mean_ties_to_the_lower_
   x = jnp.array([[[0, 0], [2, 0], [0, 0], [0, -2]],     # mean (0.5, -0.5): scores .5, 2.5, .5, 2.5
                  [[5, 1], [1, 1], [1, 1], [1, 1]]],     # mean (2, 1): scores 9, 1, 1, 1
                 jnp.float32)
-  np.testing.assert_allclose(pk.pts_scores(x), [[0.5, 2.5, 0.5, 2.5], [9, 1, 1, 1]])
+  np.testing.assert_allclose(pts_scores(x), [[0.5, 2.5, 0.5, 2.5], [9, 1, 1, 1]])
   np.testing.assert_array_equal(pivotal_tokens(x, 3), [[1, 3, 0], [0, 1, 2]])   # descending scores
   np.testing.assert_array_equal(pivotal_tokens(x, 1), [[1], [0]])
   np.testing.assert_array_equal(pivotal_tokens(x, 4), [[0, 1, 2, 3], [0, 1, 2, 3]])  # all: in order
+
+
+def test_pts_scores_match_float64_and_pick_the_outliers():
+  x = np.random.default_rng(8).standard_normal((2, 30, 16))
+  x[:, [3, 17]] += 10.0            # two tokens far from the mean
+  got = pts_scores(jnp.asarray(x, jnp.float32))
+  np.testing.assert_allclose(np.asarray(got), ((x - x.mean(1, keepdims=True)) ** 2).sum(-1), rtol=1e-5)
+  assert all(set(np.asarray(i).tolist()) == {3, 17} for i in pivotal_tokens(jnp.asarray(x, jnp.float32), 2))
 
 
 def test_restore_area_resizes_the_cache_and_writes_the_computed_rows():
@@ -44,12 +50,6 @@ def test_restore_area_resizes_the_cache_and_writes_the_computed_rows():
   # PyTorch 'area' 2 -> 3 averages the windows [0, 1), [0, 2), [1, 2) on each axis.
   want = [[10, 1.5, 2, 2, 20, 3, 3, 3.5, 4], [0, -2, 0, 0, 2, 4, 0, 4, -1]]
   np.testing.assert_allclose(restore_tokens(cached, 3, y, idx)[..., 0], want)
-
-
-@pytest.mark.parametrize('n_in,n_out', [(2, 3), (24, 32), (24, 40), (36, 48), (10, 13), (10, 16), (5, 5)])
-def test_area_upsampling_by_gathers_equals_the_resampling_matrices(n_in, n_out):
-  x = jax.random.normal(jax.random.key(n_out), (2, n_in, n_in, 3))
-  np.testing.assert_allclose(area_upsample(x, n_out), area_resize(x, (n_out, n_out)), rtol=1e-6, atol=1e-6)
 
 
 def _block_and_params(width=16, heads=2):

@@ -11,9 +11,10 @@ from accel.lazymar import LazyMAR
 from accel.lazymar_flops import _block, lazymar_sampling_flops, official_extra
 from var_models.flop_count import flops
 from var_models.mar import model as mar_lib
-from var_models.mar.diffloss import FREQ_DIM, init_diffloss, merged_adaln
+from var_models.mar.diffloss import init_diffloss, merged_adaln
 from var_models.mar.flops import sampling_flops
 from var_models.mar.sampler import mask_schedule
+from var_models.nn.timestep import FREQ_DIM
 from var_models.tokenizers.autoencoder_kl import KL16, AutoencoderKLConfig
 
 TINY_VAE = AutoencoderKLConfig(embed_dim=4, z_channels=4, ch=32, ch_mult=(1, 1, 1, 1), num_res_blocks=1)

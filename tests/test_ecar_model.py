@@ -42,7 +42,7 @@ def params():
 def sampled(params):
   """(sampler, images, aux) at 2 Euler steps per stage, cfg 2."""
   sample = ecar.make_sampler(CFG, num_steps=6, return_intermediates=True)
-  images, aux = sample(params, None, jax.random.key(1), LABELS, cfg_scale=2.0)
+  images, aux = sample({'ecar': params}, jax.random.key(1), LABELS, cfg=2.0)
   return sample, images, aux
 
 
@@ -67,8 +67,8 @@ def test_block_causal_mask_hides_later_stages(params):
 
 def test_same_key_same_images_other_key_other_images(params, sampled):
   sample, images, _ = sampled
-  again, _ = sample(params, None, jax.random.key(1), LABELS, cfg_scale=2.0)
-  other, _ = sample(params, None, jax.random.key(2), LABELS, cfg_scale=2.0)
+  again, _ = sample({'ecar': params}, jax.random.key(1), LABELS, cfg=2.0)
+  other, _ = sample({'ecar': params}, jax.random.key(2), LABELS, cfg=2.0)
   np.testing.assert_array_equal(images, again)
   assert float(jnp.max(jnp.abs(images - other))) > 1e-3
 
@@ -76,7 +76,7 @@ def test_same_key_same_images_other_key_other_images(params, sampled):
 class _CondOnly(ecar.StagePolicy):
   """Runs only the conditional half of the denoiser: CFG at scale 1 by another route."""
 
-  def guided_velocity(self, stage, step, x, denoise, cfg_scale, state):
+  def guided_velocity(self, stage, step, x, denoise, guidance, state):
     return denoise.cond(x), state
 
 
@@ -134,17 +134,17 @@ def test_no_ar_ablation_conditions_every_stage_on_the_class_only():
 def test_sampler_rejects_bad_input(params):
   sample = ecar.make_sampler(CFG, num_steps=3)
   with pytest.raises(ValueError, match=r'labels must be in \[0, 4\)'):
-    sample(params, None, jax.random.key(0), np.array([0, 4]), cfg_scale=1.0)
-  with pytest.raises(ValueError, match='cfg_scale must be finite'):
-    sample(params, None, jax.random.key(0), LABELS, cfg_scale=float('nan'))
+    sample({'ecar': params}, jax.random.key(0), np.array([0, 4]), cfg=1.0)
+  with pytest.raises(ValueError, match='cfg must be finite'):
+    sample({'ecar': params}, jax.random.key(0), LABELS, cfg=float('nan'))
   with pytest.raises(ValueError, match='num_steps must be >= the number of stages'):
     ecar.make_sampler(CFG, num_steps=2)
   with pytest.raises(ValueError, match='one per stage'):
     ecar.make_sampler(CFG, num_steps=(2, 2))
   latent = ECARConfig(image_size=64, num_classes=4, patch_size=1, ar_depth=1, ar_width=32, ar_heads=2, den_depth=1,
                       den_width=32, den_heads=2)
-  with pytest.raises(ValueError, match='vae_params are required'):
-    ecar.make_sampler(latent, num_steps=3)(params, None, jax.random.key(0), LABELS, cfg_scale=1.0)
+  with pytest.raises(ValueError, match=r"params\['vae'\] is required"):
+    ecar.make_sampler(latent, num_steps=3)({'ecar': params}, jax.random.key(0), LABELS, cfg=1.0)
 
 
 def test_steps_split_a_third_per_stage():
@@ -175,8 +175,8 @@ def test_latent_space_shapes_through_the_sdxl_vae():
   assert jax.eval_shape(lambda v, x: ecar.decode(cfg, v, x), vae, x0).shape == (2, 256, 256, 3)
   params = ecar.model.abstract_params(cfg)
   sample = ecar.make_sampler(cfg, num_steps=3)
-  out, _ = jax.eval_shape(lambda p, v: sample._sample(p, v, jax.random.key(0), jnp.zeros((2,), jnp.int32),
-                                                      jnp.float32(1.5)), params, vae)
+  out, _ = jax.eval_shape(lambda p, v: sample._sample({'ecar': p, 'vae': v}, jax.random.key(0),
+                                                      jnp.zeros((2,), jnp.int32), jnp.float32(1.5)), params, vae)
   assert out.shape == (2, 256, 256, 3)
 
 

@@ -1,15 +1,16 @@
 """The project's imports run one way (docs/design.md, "Layout"): kernels <- layers <- tokenizers
-<- VAR / MAR <- converters, E-CAR <- accelerators <- training. Read from the source (every
+<- VAR / MAR <- converters, E-CAR <- sampling <- accelerators <- training. Read from the source (every
 `import`, function-local ones included), so a wrong-way arrow fails here, named, before it
 turns into an import cycle."""
 import ast
 import pathlib
+import subprocess
 import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ('pallas_kernels', 'var_models', 'ecar', 'accel', 'train', 'configs')
+PACKAGES = ('pallas_kernels', 'var_models', 'ecar', 'sampling', 'accel', 'train', 'configs')
 # var_models' top-level modules besides its face: tools every subpackage may use.
 VAR_MODELS_LEAVES = ('var_models.checkpoint', 'var_models.flop_count')
 MODELS = ('var_models.nn', 'var_models.tokenizers', 'var_models.var', 'var_models.mar')
@@ -23,9 +24,10 @@ ALLOWED = {
     'var_models.convert': ('pallas_kernels', 'var_models.leaf') + MODELS,
     'var_models': ('pallas_kernels', 'var_models.leaf', 'var_models.convert') + MODELS,
     'ecar': ('pallas_kernels', 'var_models', 'var_models.leaf', 'var_models.convert') + MODELS,
-    'accel': ('pallas_kernels', 'var_models', 'var_models.leaf', 'ecar') + MODELS,
-    'train': ('pallas_kernels', 'var_models', 'var_models.leaf', 'var_models.convert', 'ecar', 'accel',
-              'configs') + MODELS,
+    'sampling': ('pallas_kernels', 'var_models', 'var_models.leaf', 'ecar') + MODELS,
+    'accel': ('pallas_kernels', 'var_models', 'var_models.leaf', 'ecar', 'sampling') + MODELS,
+    'train': ('pallas_kernels', 'var_models', 'var_models.leaf', 'var_models.convert', 'ecar', 'sampling',
+              'accel', 'configs') + MODELS,
     'configs': (),
 }
 
@@ -106,3 +108,11 @@ def test_the_checker_sees_a_wrong_way_arrow(tmp_path, monkeypatch):
   [(line, target)] = list(imports(fake))
   assert (line, target, unit(target)) == (2, 'var_models.var.sampler', 'var_models.var')
   assert unit(target) not in ALLOWED[unit(_module_name(fake))]
+
+
+def test_plain_sampling_imports_no_accelerator():
+  """Training's grids, `train.sample` and `train.evaluate` without --policy sample through `sampling` alone."""
+  for module in ('train.sample', 'train.evaluate', 'train.trainer'):   # each defines its command line's flags
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'accel'))"
+    out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == '[]', (module, out)

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import (gather_rows, pts_scores, pts_topk_gather, token_scatter,
-                            topk_gather)
+from pallas_kernels import gather_rows, token_scatter, topk_gather
 
 
 def _x(seed, shape, dtype=jnp.float32):
@@ -54,16 +53,6 @@ def test_gather_then_scatter_into_base_is_identity_under_jit():
   np.put_along_axis(kept, np.asarray(idx), True, axis=1)
   np.testing.assert_array_equal(np.asarray(out)[kept], np.asarray(x)[kept])
   assert (np.asarray(out)[~kept] == 0).all()
-
-
-def test_pts_scores_match_float64_and_pick_the_outliers():
-  x = np.random.default_rng(8).standard_normal((2, 30, 16))
-  x[:, [3, 17]] += 10.0            # two tokens far from the mean
-  got = pts_scores(jnp.asarray(x, jnp.float32))
-  want = ((x - x.mean(1, keepdims=True)) ** 2).sum(-1)
-  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
-  _, idx = pts_topk_gather(jnp.asarray(x, jnp.float32), 2, impl='interpret')
-  assert all(set(np.asarray(i).tolist()) == {3, 17} for i in idx)
 
 
 def test_reference_impl_equals_interpret():

@@ -265,3 +265,25 @@ def test_jit_inside_larger_function_and_grad():
   pooled = np.asarray(x, np.float64).reshape(1, 4, 2, 4, 2, 2).mean(axis=(2, 4))
   want = np.repeat(np.repeat(2 * pooled / 4, 2, axis=1), 2, axis=2)
   np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('n_in,n_out', [(2, 3), (24, 32), (24, 40), (36, 48), (10, 13), (10, 16), (5, 5)])
+def test_area_upsampling_by_gathers_equals_the_resampling_matrices(n_in, n_out):
+  x = jax.random.normal(jax.random.key(n_out), (2, n_in, n_in, 3))
+  np.testing.assert_allclose(resample.area_upsample(x, (n_out, n_out)), resample.area_resize(x, (n_out, n_out)),
+                             rtol=1e-6, atol=1e-6)
+
+
+def test_area_upsample_refuses_to_shrink():
+  with pytest.raises(ValueError, match='grows sizes only'):
+    resample.area_upsample(jnp.ones((1, 4, 4, 1)), (3, 4))
+
+
+@pytest.mark.parametrize('n_in,n_out', [(3, 3), (4, 6), (10, 13), (6, 4)])
+@pytest.mark.parametrize('method,jax_method', [('bilinear', 'linear'), ('nearest-exact', 'nearest')])
+def test_grid_taps_resample_as_jax_image_resize_without_antialiasing(n_in, n_out, method, jax_method):
+  x = _input((2, n_in, n_in, 3), seed=n_out)
+  rows, weights = resample.grid_taps(n_in, n_out, method)
+  got = np.einsum('lt,bltc->blc', weights, x.reshape(2, n_in * n_in, 3)[:, rows])
+  want = jax.image.resize(x, (2, n_out, n_out, 3), jax_method, antialias=False)
+  np.testing.assert_allclose(got, np.asarray(want).reshape(2, n_out * n_out, 3), rtol=1e-5, atol=1e-5)

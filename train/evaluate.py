@@ -45,9 +45,8 @@ from absl import app, flags
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from accel import sampling_flags as sf
-from accel.families import family_from_config
-from accel.specs import policy_from_spec
+from sampling import family_from_config
+from sampling import flags as sf
 from train import multihost
 from train.builtin_classifier import BuiltinMetrics
 from train.data import synthetic
@@ -99,9 +98,9 @@ def sample_shards(family, policy, labels: np.ndarray, batch: int, key, directory
   sample, times = family.make(policy), []
   for i in tqdm(todo, desc=os.path.basename(directory), unit='batch', disable=not todo):
     chunk = labels[i * batch:(i + 1) * batch]
-    args, kwargs = family.call(jax.random.fold_in(key, i), np.resize(chunk, batch))  # one shape for every call
+    args = family.params, jax.random.fold_in(key, i), np.resize(chunk, batch)   # one shape for every call
     t0 = time.perf_counter()
-    images = np.asarray(sample(*args, **kwargs)[0])[:len(chunk)]
+    images = np.asarray(sample(*args, **family.opts)[0])[:len(chunk)]
     times.append((time.perf_counter() - t0) / batch)
     uint8 = np.clip(images * 255 + 0.5, 0, 255).astype(np.uint8)
     atomic_savez(os.path.join(directory, f'samples_{host}_{i:05d}.npz'), arr_0=uint8, arr_1=chunk)
@@ -242,9 +241,16 @@ def _check_flags() -> None:
     raise ValueError(f'--per_class must be >= 1, got {_PER_CLASS.value}')
 
 
+def _policy(family):
+  """The sampler policy --policy names: None for the baseline (plain sampling needs no accelerator)."""
+  if _POLICY.value == 'baseline':
+    return None
+  from accel.specs import policy_from_spec   # accelerated sampling only
+  return policy_from_spec(_POLICY.value, family.name)
+
+
 def _run_name(family, spec: str) -> str:
-  cfg = family.opts.get('cfg', family.opts.get('cfg_scale'))
-  return f'cfg_{cfg:g}' + ('' if spec == 'baseline' else '_' + spec.replace(':', '_').replace('+', '__'))
+  return f"cfg_{family.opts['cfg']:g}" + ('' if spec == 'baseline' else '_' + spec.replace(':', '_').replace('+', '__'))
 
 
 def _sync(name: str) -> None:
@@ -254,11 +260,10 @@ def _sync(name: str) -> None:
 
 def evaluate_run(family, labels, batch, key, directory, inception, ref, builtin) -> dict:
   """Samples (this host's share), then, on process 0, the metrics of one run; {} on other processes."""
-  row = {'images': len(labels), 'options': family.opts, 'policy': _POLICY.value}
+  row = {'images': len(labels), 'options': family.options, 'policy': _POLICY.value}
   check_settings(directory, dict(row, batch_size=batch, seed=sf.pick(sf.SEED, sf.CONFIG.value.sample.seed),
                                  ckpt=sf.CKPT.value and os.path.abspath(sf.CKPT.value)))
-  row['sec_per_image'] = sample_shards(family, policy_from_spec(_POLICY.value, family.name), labels, batch, key,
-                                       directory)
+  row['sec_per_image'] = sample_shards(family, _policy(family), labels, batch, key, directory)
   _sync(directory)
   if jax.process_index():
     return {}
@@ -281,7 +286,7 @@ def main(argv):
   key = jax.random.key(sf.pick(sf.SEED, config.sample.seed))
   pkey, key = jax.random.split(key)
   family = family_from_config(config, sf.CKPT.value, sf.overrides(config.family, cfgs[0]), pkey)
-  family.make(policy_from_spec(_POLICY.value, family.name))   # a policy that does not fit fails before compiling
+  family.make(_policy(family))   # a policy that does not fit fails before compiling
   labels = balanced_labels(_NUM.value or _PER_CLASS.value * family.num_classes, family.num_classes)
   os.makedirs(out, exist_ok=True)
   inception = ref = builtin = None

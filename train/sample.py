@@ -22,16 +22,15 @@ from tqdm import tqdm
 
 import jax
 
-from accel import sampling_flags as sf
-from accel.families import family_from_config
-from accel.specs import policy_from_spec
+from sampling import family_from_config
+from sampling import flags as sf
 from train import grid as grid_lib
 from var_models.nn.checks import check_labels
 
 _OUT = flags.DEFINE_string('out', 'samples/grid.png', 'where to write the PNG grid')
 _LABELS = flags.DEFINE_list('labels', None, 'class labels, comma separated (default: 0, 1, 2, ...)')
 _NUM = flags.DEFINE_integer('num_images', None, 'images in the grid (default: one per label, else batch_size)')
-_CFG = flags.DEFINE_float('cfg', None, 'classifier-free guidance scale (E-CAR: cfg_scale)')
+_CFG = flags.DEFINE_float('cfg', None, "classifier-free guidance scale (default: the config's sample.cfg)")
 
 
 def _labels(num_classes: int, batch: int) -> np.ndarray:
@@ -47,18 +46,18 @@ def main(argv):
   config = sf.CONFIG.value
   sf.check_family(config)
   batch = sf.batch_size(config.sample.batch_size)
-  num_classes = config.model.class_num if config.family == 'mar' else config.num_classes
-  labels = _labels(num_classes, batch)
-  check_labels(labels, num_classes)
   key = jax.random.key(sf.pick(sf.SEED, config.sample.seed))
   pkey, key = jax.random.split(key)
   family = family_from_config(config, sf.CKPT.value, sf.overrides(config.family, _CFG.value), pkey)
-  sample = family.make(policy_from_spec('baseline', family.name))
+  labels = _labels(family.num_classes, batch)
+  check_labels(labels, family.num_classes)
+  sample = family.make()
   images = []
   chunks = [labels[i:i + batch] for i in range(0, len(labels), batch)]
   for i, chunk in enumerate(tqdm(chunks, desc='sampling', unit='batch')):
-    args, kwargs = family.call(jax.random.fold_in(key, i), np.resize(chunk, batch))  # one shape for every chunk
-    images.append(np.asarray(sample(*args, **kwargs)[0])[:len(chunk)])
+    # One shape for every chunk; the sampler checks the labels before compiling.
+    out, _ = sample(family.params, jax.random.fold_in(key, i), np.resize(chunk, batch), **family.opts)
+    images.append(np.asarray(out)[:len(chunk)])
   path = grid_lib.save_grid(np.concatenate(images), _OUT.value)
   print(f'wrote {len(labels)} samples to {path}')
 

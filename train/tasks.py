@@ -32,11 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from sampling import sampling_from_config
 from train.validate import check_vqvae_loss
 from var_models import checkpoint
 from var_models.mar import model as mar_lib
 from var_models.mar.from_config import mar_configs
-from var_models.mar.sampler import check_mar_sample_args, make_mar_sampler
 from var_models.nn.checks import compute_dtype
 from var_models.tokenizers import lpips as lpips_lib
 from var_models.tokenizers.autoencoder_kl import AutoencoderKL, sample_posterior
@@ -44,7 +44,6 @@ from var_models.tokenizers.patch_discriminator import PatchDiscriminator, discri
 from var_models.tokenizers.vqvae import VQVAE
 from var_models.var import model as var_lib
 from var_models.var.from_config import var_configs, vqvae_config
-from var_models.var.sampler import check_sample_args, make_sampler
 
 Array = jax.Array
 
@@ -114,17 +113,15 @@ def _frozen(path: str, name: str, shapes: Callable[[Any, Array], Any], cfg, seed
   return random_stand_in(abstract, seed)
 
 
-def _check_sample(check: Callable[[], Any]) -> Any:
-  """Runs a sampler's own argument check at start-up (not at the first grid), naming the section."""
-  try:
-    return check()
-  except ValueError as e:
-    raise ValueError(f'bad config.sample: {e}') from e
+def _sampler(config) -> Callable[[Any, Any, Array, Array], Array]:
+  """sample(params, frozen, key, labels) -> images: the config's sampler with its `sample` settings
+  (`sampling.sampling_from_config`), checked at start-up, not at the first grid."""
+  s = sampling_from_config(config)
+  sampler, (trained, tokenizer) = s.make(), s.names
 
-
-def _finite(value, name: str) -> None:
-  if not np.isfinite(value):
-    raise ValueError(f'{name} must be finite, got {value}')
+  def sample(params, frozen, key, labels):
+    return sampler({trained: params, tokenizer: frozen}, key, labels, **s.opts)[0]
+  return sample
 
 
 def _per_scale_nll(logits: Array, targets: Array, begin_ends) -> dict:
@@ -150,15 +147,8 @@ def var_task(config) -> Task:
     ce, logits = var_lib.loss_fn(model, params, labels, x_tf, targets, train=True, rng=key)
     return ce, (_per_scale_nll(logits, targets, begin_ends), model_state)
 
-  s = config.sample
-  _check_sample(lambda: check_sample_args(var_cfg, np.zeros(1, np.int32), cfg=s.cfg, top_k=s.top_k, top_p=s.top_p))
-  sampler = make_sampler(var_cfg, vq_cfg)
-
-  def sample(params, frozen, key, labels):
-    return sampler({'var': params, 'vqvae': frozen}, key, labels, cfg=s.cfg, top_k=s.top_k, top_p=s.top_p)[0]
-
   return Task('var', vq_cfg.image_size, var_cfg.num_classes, lambda k: (var_lib.init_params(var_cfg, k), {}),
-              frozen, inputs, loss, sample, ('var', 'vqvae'))
+              frozen, inputs, loss, _sampler(config), ('var', 'vqvae'))
 
 
 def _kl_moments(vae: AutoencoderKL):
@@ -188,19 +178,8 @@ def mar_task(config) -> Task:
   def loss(params, model_state, latents, labels, key):
     return mar_lib.loss_fn(model, params, latents, labels, key, train=True), ({}, model_state)
 
-  s = config.sample
-  guided = s.cfg != 1.0
-  _check_sample(lambda: check_mar_sample_args(mar_cfg, np.zeros(1, np.int32), guidance=s.cfg, guided=guided,
-                                              cfg_schedule=s.cfg_schedule, temperature=s.temperature))
-  sampler = make_mar_sampler(mar_cfg, vae_cfg, num_iter=s.num_iter, guided=guided,
-                             num_diffusion_steps=s.num_diffusion_steps)
-
-  def sample(params, frozen, key, labels):
-    return sampler({'mar': params, 'vae': frozen}, key, labels, cfg=s.cfg, cfg_schedule=s.cfg_schedule,
-                   temperature=s.temperature)[0]
-
   return Task('mar', mar_cfg.img_size, mar_cfg.class_num, lambda k: (mar_lib.init_params(mar_cfg, k), {}),
-              frozen, inputs, loss, sample, ('mar', 'vae'), moments)
+              frozen, inputs, loss, _sampler(config), ('mar', 'vae'), moments)
 
 
 def ecar_task(config) -> Task:
@@ -222,14 +201,8 @@ def ecar_task(config) -> Task:
   def loss(params, model_state, x0, labels, key):
     return loss_and_stats(cfg, params, model_state, x0, labels, key, train=True)
 
-  _check_sample(lambda: _finite(config.sample.cfg_scale, 'cfg_scale'))
-  sampler = _check_sample(lambda: ecar.make_sampler(cfg, num_steps=config.sample.num_steps))
-
-  def sample(params, frozen, key, labels):
-    return sampler(params, frozen, key, labels, cfg_scale=config.sample.cfg_scale)[0]
-
   return Task('ecar', cfg.image_size, cfg.num_classes, lambda k: (ecar.init_params(cfg, k), ecar.init_gradnorm(cfg)),
-              frozen, inputs, loss, sample, ('ecar', 'vae'), moments,
+              frozen, inputs, loss, _sampler(config), ('ecar', 'vae'), moments,
               update_state=functools.partial(gradnorm_step, cfg))
 
 

@@ -10,7 +10,8 @@ from typing import Mapping, Union
 import numpy as np
 
 from var_models.convert.common import StateDictReader
-from var_models.mar.diffloss import FREQ_DIM, DiffLossConfig
+from var_models.mar.diffloss import DiffLossConfig
+from var_models.nn.timestep import FREQ_DIM
 
 
 def convert_diffloss(source: Union[StateDictReader, Mapping[str, np.ndarray]], cfg: DiffLossConfig,

@@ -3,7 +3,7 @@
 Param tree of `SimpleMLPAdaLN` (torch name in brackets, flax Dense kernels are [in, out]):
   input_proj                      [input_proj]
   cond_embed                      [cond_embed]
-  time_embed/mlp_0, mlp_2         [time_embed.mlp.0, .2]
+  time_embed/mlp_0, mlp_2         [time_embed.mlp.0, .2]  (`var_models.nn.timestep.TimestepEmbedder`)
   res_blocks_{i}/in_ln            [res_blocks.{i}.in_ln]  (LayerNorm scale/bias)
   res_blocks_{i}/mlp_0, mlp_2     [res_blocks.{i}.mlp.0, .2]
   res_blocks_{i}/adaLN_modulation_1  [res_blocks.{i}.adaLN_modulation.1]
@@ -13,7 +13,6 @@ Param tree of `SimpleMLPAdaLN` (torch name in brackets, flax Dense kernels are [
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Hashable, Optional, Sequence, Union
 
 import flax.linen as nn
@@ -21,45 +20,21 @@ import jax
 import jax.numpy as jnp
 
 from var_models.mar.gaussian_diffusion import GaussianDiffusion, SampleModelFn, create_diffusion
-from var_models.nn.blocks import concat_dense, merged_modulations
+from var_models.nn.blocks import concat_dense, merged_modulations, modulate
+from var_models.nn.timestep import TimestepEmbedder
 
 Array = jax.Array
-FREQ_DIM = 256  # sinusoidal timestep features fed to time_embed/mlp_0
 
 _xavier = nn.initializers.xavier_uniform()
 _zeros = nn.initializers.zeros
-
-
-def timestep_embedding(t: Array, dim: int = FREQ_DIM, max_period: float = 10000.0) -> Array:
-  """t [N] (int or float) -> [N, dim] float32: cos then sin of t * max_period^(-k/(dim/2))."""
-  half = dim // 2
-  freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
-  args = t.astype(jnp.float32)[:, None] * freqs[None]
-  return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
-
-
-def modulate(x: Array, shift: Array, scale: Array) -> Array:
-  return x * (1 + scale) + shift
 
 
 def _dense(features: int, name: str, dtype, kernel_init=_xavier) -> nn.Dense:
   return nn.Dense(features, kernel_init=kernel_init, bias_init=_zeros, dtype=dtype, name=name)
 
 
-class TimestepEmbedder(nn.Module):
-  """t [N] -> [N, width]: sinusoidal features -> Linear -> SiLU -> Linear."""
-  width: int
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, t: Array) -> Array:
-    init = nn.initializers.normal(0.02)
-    h = _dense(self.width, 'mlp_0', self.dtype, init)(timestep_embedding(t))
-    return _dense(self.width, 'mlp_2', self.dtype, init)(nn.silu(h))
-
-
 class ResBlock(nn.Module):
-  """x + gate * MLP(modulate(LN(x), shift, scale)), (shift, scale, gate) from y. [N, w] -> [N, w]."""
+  """x + gate * MLP(modulate(LN(x), scale, shift)), (shift, scale, gate) from y. [N, w] -> [N, w]."""
   width: int
   dtype: Any = jnp.float32
 
@@ -75,7 +50,7 @@ class ResBlock(nn.Module):
 
     def mlp():
       h = nn.LayerNorm(epsilon=1e-6, use_fast_variance=False, dtype=self.dtype, name='in_ln')(x)
-      h = _dense(self.width, 'mlp_0', self.dtype)(modulate(h, shift, scale))
+      h = _dense(self.width, 'mlp_0', self.dtype)(modulate(h, scale, shift))
       return _dense(self.width, 'mlp_2', self.dtype)(nn.silu(h))
 
     if hooks is None:
@@ -100,7 +75,7 @@ class HeadHooks:
 
 
 class FinalLayer(nn.Module):
-  """Linear(modulate(LN(x), shift, scale)) with a non-affine LN. [N, w] -> [N, out]."""
+  """Linear(modulate(LN(x), scale, shift)) with a non-affine LN. [N, w] -> [N, out]."""
   width: int
   out_channels: int
   dtype: Any = jnp.float32
@@ -112,7 +87,7 @@ class FinalLayer(nn.Module):
     shift, scale = jnp.split(mod, 2, axis=-1)
     h = nn.LayerNorm(epsilon=1e-6, use_scale=False, use_bias=False, use_fast_variance=False,
                      dtype=self.dtype)(x)
-    return _dense(self.out_channels, 'linear', self.dtype, _zeros)(modulate(h, shift, scale))
+    return _dense(self.out_channels, 'linear', self.dtype, _zeros)(modulate(h, scale, shift))
 
 
 def merged_adaln(params, blocks: Optional[Sequence[int]] = None, gates_only: bool = False) -> tuple[Array, Array]:
@@ -175,15 +150,15 @@ class SimpleMLPAdaLN(nn.Module):
         h, state = block(h, y, mod_of[i], hooks, i, state)
     return self.final_layer(h, y, mods[-1]).astype(jnp.float32), state
 
-  def forward_with_cfg(self, x: Array, t: Array, c: Array, cfg_scale,
+  def forward_with_cfg(self, x: Array, t: Array, c: Array, guidance,
                        adaln: Optional[tuple[Array, Array]] = None) -> Array:
     """Batch = [cond; uncond] halves. Both halves are denoised from the cond half's x; both
-    get eps = uncond + cfg_scale * (cond - uncond); the variance channels pass through per row."""
+    get eps = uncond + guidance * (cond - uncond); the variance channels pass through per row."""
     half = x[: x.shape[0] // 2]
     out = self(jnp.concatenate([half, half], axis=0), t, c, adaln)
     eps, rest = out[:, :self.in_channels], out[:, self.in_channels:]
     cond, uncond = jnp.split(eps, 2, axis=0)
-    guided = uncond + cfg_scale * (cond - uncond)
+    guided = uncond + guidance * (cond - uncond)
     return jnp.concatenate([jnp.concatenate([guided, guided], axis=0), rest], axis=1)
 
 
@@ -234,13 +209,13 @@ def diffloss_loss(net: SimpleMLPAdaLN, params, target: Array, z: Array, mask: Op
   return jnp.sum(loss * mask) / jnp.sum(mask)
 
 
-def diffloss_model_fn(net: SimpleMLPAdaLN, params, z: Array, cfg_scale, guided: bool) -> SampleModelFn:
+def diffloss_model_fn(net: SimpleMLPAdaLN, params, z: Array, guidance, guided: bool) -> SampleModelFn:
   """model_fn(x, t_model, i) for `p_sample_loop`: the plain net, or with `guided` (z = [cond;
-  uncond]) `forward_with_cfg` at the (possibly traced) cfg_scale. The step index is unused here.
+  uncond]) `forward_with_cfg` at the (possibly traced) guidance. The step index is unused here.
   The adaLN weights are merged here, outside the loop that calls model_fn."""
   adaln = merged_adaln(params)
   if guided:
-    return lambda x, t, i: net.apply({'params': params}, x, t, z, cfg_scale, adaln,
+    return lambda x, t, i: net.apply({'params': params}, x, t, z, guidance, adaln,
                                      method=SimpleMLPAdaLN.forward_with_cfg)
   return lambda x, t, i: net.apply({'params': params}, x, t, z, adaln)
 
@@ -263,13 +238,13 @@ class HeadCache:
   def hooks(self, kind: Hashable) -> HeadHooks:
     return HeadHooks()
 
-  def guide(self, kind: Hashable, eps_c: Array, eps_u: Optional[Array], cfg_scale, state: Any):
+  def guide(self, kind: Hashable, eps_c: Array, eps_u: Optional[Array], guidance, state: Any):
     """The guided eps [R, C] from the conditional eps_c and the unconditional eps_u [R, C] (None
     when the step skipped that half) -> (eps, state)."""
-    return eps_u + cfg_scale * (eps_c - eps_u), state
+    return eps_u + guidance * (eps_c - eps_u), state
 
 
-def diffloss_sample_cached(net: SimpleMLPAdaLN, params, z: Array, x_T: Array, noise_fn, temperature, cfg_scale,
+def diffloss_sample_cached(net: SimpleMLPAdaLN, params, z: Array, x_T: Array, noise_fn, temperature, guidance,
                            cache: HeadCache, diffusion: GaussianDiffusion) -> Array:
   """Guided sampling through a policy's `cache`: z = [cond; uncond] [2R, Cz], x_T [R, C]. Only
   the conditional rows' x is carried: `forward_with_cfg` denoises both halves from it and the
@@ -285,17 +260,17 @@ def diffloss_sample_cached(net: SimpleMLPAdaLN, params, z: Array, x_T: Array, no
     x, t, cond = (jnp.concatenate([x, x]), jnp.concatenate([t, t]), z) if both else (x, t, z[:r])
     out, state = net.apply({'params': params}, x, t, cond, adaln[kind], cache.hooks(kind), state,
                            method=SimpleMLPAdaLN.forward_hooked)
-    eps, state = cache.guide(kind, out[:r, :c], out[r:, :c] if both else None, cfg_scale, state)
+    eps, state = cache.guide(kind, out[:r, :c], out[r:, :c] if both else None, guidance, state)
     return jnp.concatenate([eps, out[:r, c:]], axis=1), state
 
   state = cache.init_state(r, net.model_channels, net.num_res_blocks, c)
   return diffusion.p_sample_loop_stepped(kinds, model_fn, x_T, noise_fn, temperature, state)[0]
 
 
-def diffloss_sample(net: SimpleMLPAdaLN, params, z: Array, key: Array, temperature, cfg_scale, *,
+def diffloss_sample(net: SimpleMLPAdaLN, params, z: Array, key: Array, temperature, guidance, *,
                     guided: bool, diffusion: Optional[GaussianDiffusion] = None) -> Array:
   """z [N, Cz] -> token latents [N, C] by ancestral sampling (default: 100 respaced steps).
-  guided (static) means z = [cond; uncond] halves sharing one initial noise and cfg_scale
+  guided (static) means z = [cond; uncond] halves sharing one initial noise and guidance
   applies; all N rows come back (the uncond half is the caller's to drop). temperature scales
   only the per-step noise, as the official does."""
   diffusion = diffusion or create_diffusion('100')
@@ -304,5 +279,5 @@ def diffloss_sample(net: SimpleMLPAdaLN, params, z: Array, key: Array, temperatu
   x_T = jax.random.normal(k_init, (n, net.in_channels), jnp.float32)
   if guided:
     x_T = jnp.concatenate([x_T, x_T], axis=0)
-  model_fn = diffloss_model_fn(net, params, z, cfg_scale, guided)
+  model_fn = diffloss_model_fn(net, params, z, guidance, guided)
   return diffusion.p_sample_loop(model_fn, x_T, k_loop, temperature)

@@ -20,7 +20,8 @@ def mar_configs(config) -> tuple[mar_lib.MARConfig, AutoencoderKLConfig]:
   try:
     vae_cfg = AutoencoderKLConfig(**{**config.vae.to_dict(), 'ch_mult': tuple(config.vae.ch_mult)},
                                   dtype=dtype)
-    mar_cfg = mar_lib.MARConfig(**config.model.to_dict(), attn_backend=config.attn_backend, dtype=dtype)
+    mar_cfg = mar_lib.MARConfig(**config.model.to_dict(), class_num=config.num_classes,
+                                attn_backend=config.attn_backend, dtype=dtype)
   except (TypeError, ValueError) as e:
     raise ValueError(f'bad config.model / config.vae: {e}') from e
   if mar_cfg.vae_stride != vae_cfg.downsample or mar_cfg.vae_embed_dim != vae_cfg.embed_dim:

@@ -82,15 +82,16 @@ def mask_schedule(seq_len: int, num_iter: int) -> MaskSchedule:
   return MaskSchedule(m, l, n)
 
 
-def check_mar_sample_args(cfg: MARConfig, labels, guidance: float, guided: bool, cfg_schedule: str,
+def check_mar_sample_args(mar_cfg: MARConfig, labels, cfg: float, guided: bool, cfg_schedule: str,
                           temperature: float) -> None:
-  check_labels(labels, cfg.class_num)
+  """The call's labels and settings; `cfg` is the guidance scale (1 without guidance)."""
+  check_labels(labels, mar_cfg.class_num)
   if cfg_schedule not in CFG_SCHEDULES:
     raise ValueError(f'unknown cfg_schedule {cfg_schedule!r}; expected one of {CFG_SCHEDULES}')
-  if not np.isfinite(guidance) or (guided and guidance < 1):
-    raise ValueError(f'cfg must be >= 1 with guidance, got {guidance}')
-  if not guided and guidance != 1.0:
-    raise ValueError(f'cfg {guidance} needs a sampler made with guided=True')
+  if not np.isfinite(cfg) or (guided and cfg < 1):
+    raise ValueError(f'cfg must be >= 1 with guidance, got {cfg}')
+  if not guided and cfg != 1.0:
+    raise ValueError(f'cfg {cfg} needs a sampler made with guided=True')
   if not temperature > 0:
     raise ValueError(f'temperature must be > 0, got {temperature}')
 
@@ -115,7 +116,7 @@ def _ranks(order: Array) -> Array:
 class _MARSampler:
   def __init__(self, mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, num_iter: int, guided: bool,
                num_diffusion_steps: Optional[int], policy: MARPolicy, record: bool):
-    self.cfg, self.guided, self.record = mar_cfg, guided, record
+    self.mar_cfg, self.guided, self.record = mar_cfg, guided, record
     self.model, self.vae = MAR(mar_cfg), AutoencoderKL(vae_cfg)
     self.head = diffloss_net(mar_cfg)
     self.diffusion = create_diffusion(num_diffusion_steps or mar_cfg.num_sampling_steps)
@@ -146,8 +147,8 @@ class _MARSampler:
 
   def _checked(self, params, key, labels, cfg, cfg_schedule, temperature, orders, noises, forced):
     """Validates the arguments (before anything compiles) -> (traced args, static kwargs)."""
-    check_mar_sample_args(self.cfg, labels, cfg, self.guided, cfg_schedule, temperature)
-    b, (n, d), num_iter = len(labels), (self.cfg.seq_len, self.cfg.token_embed_dim), len(self.plans)
+    check_mar_sample_args(self.mar_cfg, labels, cfg, self.guided, cfg_schedule, temperature)
+    b, (n, d), num_iter = len(labels), (self.mar_cfg.seq_len, self.mar_cfg.token_embed_dim), len(self.plans)
     if orders is not None and (np.shape(orders) != (b, n) or
                                (np.sort(np.asarray(orders), axis=1) != np.arange(n)).any()):
       raise ValueError(f'orders must be one permutation of range({n}) per sample [{b}, {n}]')
@@ -165,9 +166,9 @@ class _MARSampler:
 
   def _sample(self, params, key, labels, cfg, temperature, draws=None, *, cfg_schedule):
     draws = draws or dict(orders=None, noises=None, forced=None)
-    head = dense_params_in(params['mar']['diffloss'], self.cfg.dtype)
+    head = dense_params_in(params['mar']['diffloss'], self.mar_cfg.dtype)
     params = {**params, 'mar': {**params['mar'], 'diffloss': head}}
-    mc, mp = self.cfg, {'params': params['mar']}
+    mc, mp = self.mar_cfg, {'params': params['mar']}
     b, n, d = labels.shape[0], mc.seq_len, mc.token_embed_dim
     key, k_order = jax.random.split(key)
     order = draws['orders']
@@ -215,11 +216,11 @@ class _MARSampler:
     rows = 2 * b if self.guided and plan.uncond else b
     t2, m2 = jnp.tile(tokens, (rows // b, 1, 1)), jnp.tile(mask, (rows // b, 1))
     x = self.model.apply(mp, t2, class_emb[:rows], method=MAR.encoder_input)
-    x, state = self.model.apply(mp, x, key_mask(self.cfg, m2), policy.encoder_hooks(plan, self.cfg.encoder_depth),
+    x, state = self.model.apply(mp, x, key_mask(self.mar_cfg, m2), policy.encoder_hooks(plan, self.mar_cfg.encoder_depth),
                                 state, method=MAR.run_encoder)
     x = self.model.apply(mp, x, m2, method=MAR.decoder_input)
     x, state = policy.decoder_input(plan, x, state)
-    x, state = self.model.apply(mp, x, policy.decoder_hooks(plan, self.cfg.decoder_depth), state,
+    x, state = self.model.apply(mp, x, policy.decoder_hooks(plan, self.mar_cfg.decoder_depth), state,
                                 method=MAR.run_decoder)
     if self.guided:
       x, state = policy.guidance(plan, x, state)
@@ -269,9 +270,9 @@ class _MARSampler:
 
 def make_mar_sampler(mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, *, num_iter: int = 64,
                      guided: bool = True, num_diffusion_steps: Optional[int] = None,
-                     policy: MARPolicy = BASELINE, record: bool = False):
+                     policy: Optional[MARPolicy] = None, record: bool = False):
   """A pure, jit-compiled MAR sampler `sample(params, key, labels, *, cfg, cfg_schedule,
   temperature, orders, noises, forced_tokens) -> (images, aux)`. `guided` (static) doubles the
   batch for CFG; `policy` chooses what each iteration computes (the baseline: everything);
   `record` adds aux['iterations'] (see the module docstring)."""
-  return _MARSampler(mar_cfg, vae_cfg, num_iter, guided, num_diffusion_steps, policy, record)
+  return _MARSampler(mar_cfg, vae_cfg, num_iter, guided, num_diffusion_steps, policy or BASELINE, record)

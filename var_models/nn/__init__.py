@@ -1,6 +1,7 @@
 """Layers every model shares: the attention entry point and KV cache, AdaLN/FFN blocks and the
-`BlockHooks` policies plug into, the ViT block, PyTorch-exact resampling, token gather/scatter,
-and the checks every family runs on its config and labels. Imports `pallas_kernels` only.
+`BlockHooks` policies plug into, the ViT block, DiT's timestep embedding, PyTorch-exact
+resampling, token gather/scatter, and the checks every family runs on its config and
+labels. Imports `pallas_kernels` only.
 """
 from var_models.nn import attention
 from var_models.nn.attention import KVCache, ScaleCausal, TokenMask, register_backend

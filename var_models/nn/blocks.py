@@ -188,6 +188,7 @@ def layer_norm(eps: float, dtype) -> nn.LayerNorm:
 
 
 def modulate(x: Array, scale: Array, shift: Array) -> Array:
+  """AdaLN modulation x * (1 + scale) + shift; scale and shift broadcast against x [..., C]."""
   return x * (1 + scale) + shift
 
 
@@ -273,6 +274,11 @@ class BlockHooks:
   def select(self, site: str, x: Array, state: Any):
     """Indices [B, k] of the tokens of x [B, l, C] to forward before `site`, or None."""
     return None, state
+
+  def selects(self, site: str) -> bool:
+    """Whether `select` returns indices at `site` (static). `accel.compose` asks it to know whose
+    `restore` fills in the tokens not forwarded, so a composable hook that selects says it here."""
+    return False
 
   def kv(self, k: Array, v: Array, idx: Optional[Array], state: Any):
     """The keys and values [B, Lk, H, D] the forwarded queries attend to, from those of the

@@ -9,6 +9,10 @@ kernels' float arithmetic: source indices always agree, and bicubic weights
 agree bit for bit where the size ratio is exact in binary (every VAR and
 Infinity schedule); elsewhere they differ by < 1e-6 (PyTorch fuses
 multiply-adds).
+
+Accelerators that add a small map onto a larger one take two gather forms instead of the
+matmuls: `area_upsample` (each 'area' window of a growing size holds one or two sources) and
+`grid_taps` (a grid's flat token positions and weights, for 'bilinear' and 'nearest-exact').
 """
 from __future__ import annotations
 
@@ -27,14 +31,19 @@ def _check_size(n_in: int, n_out: int) -> None:
     raise ValueError(f'resize sizes must be positive, got {n_in} -> {n_out}')
 
 
+def area_windows(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray]:
+  """Adaptive average pooling's windows [start, end) of sources, each [n_out] int:
+  start = floor(i * in / out), end = ceil((i + 1) * in / out)."""
+  i = np.arange(n_out)
+  return (i * n_in) // n_out, -((-(i + 1) * n_in) // n_out)
+
+
 @functools.lru_cache(maxsize=None)
 def area_matrix(n_in: int, n_out: int) -> np.ndarray:
-  """[n_out, n_in]: adaptive average pooling, window [floor(i*in/out), ceil((i+1)*in/out))."""
+  """[n_out, n_in]: adaptive average pooling, each row the mean of its `area_windows` window."""
   _check_size(n_in, n_out)
   m = np.zeros((n_out, n_in), np.float32)
-  for i in range(n_out):
-    start = (i * n_in) // n_out
-    end = -((-(i + 1) * n_in) // n_out)
+  for i, (start, end) in enumerate(zip(*area_windows(n_in, n_out))):
     m[i, start:end] = np.float32(1.0) / np.float32(end - start)
   return m
 
@@ -113,3 +122,47 @@ def bicubic_resize(x: jax.Array, hw: tuple[int, int]) -> jax.Array:
 
 def nearest_resize(x: jax.Array, hw: tuple[int, int]) -> jax.Array:
   return resize(x, hw, 'nearest')
+
+
+def area_upsample(x: jax.Array, hw: tuple[int, int]) -> jax.Array:
+  """PyTorch 'area' of x [..., H, W, C] to [..., h, w, C], h >= H and w >= W, as gathers: growing a
+  side, every window holds one or two sources, and each output is their mean 0.5 (a + b) (b = a
+  for one), as adaptive pooling sums and divides; no resampling matmul."""
+  if hw[0] < x.shape[-3] or hw[1] < x.shape[-2]:
+    raise ValueError(f'area_upsample grows sizes only, got {x.shape[-3:-1]} -> {tuple(hw)}')
+  lo, hi = area_windows(x.shape[-3], int(hw[0]))
+  x = 0.5 * (x[..., lo, :, :] + x[..., hi - 1, :, :])
+  lo, hi = area_windows(x.shape[-2], int(hw[1]))
+  return 0.5 * (x[..., lo, :] + x[..., hi - 1, :])
+
+
+TAP_METHODS = ('bilinear', 'nearest-exact')
+
+
+def axis_taps(n_in: int, n_out: int, method: str) -> tuple[np.ndarray, np.ndarray]:
+  """One axis resampled from n_in to n_out, half-pixel centres c_i = (i + 0.5) n_in / n_out, as taps:
+  (sources [n_out, T] int64, weights [n_out, T] float64). 'bilinear' (T = 2): the two sources around
+  c_i - 0.5, edges clamped, without antialiasing (PyTorch's bilinear with align_corners=False,
+  jax.image.resize's 'linear' with antialias=False); 'nearest-exact' (T = 1): source floor(c_i)
+  (jax.image.resize's 'nearest'). Centres and weights are computed in float64."""
+  _check_size(n_in, n_out)
+  centre = (np.arange(n_out) + 0.5) * n_in / n_out
+  if method == 'nearest-exact':
+    return np.minimum(np.floor(centre), n_in - 1).astype(np.int64)[:, None], np.ones((n_out, 1))
+  if method != 'bilinear':
+    raise ValueError(f'unknown tap method {method!r}; expected one of {TAP_METHODS}')
+  lo = np.floor(centre - 0.5)
+  frac = centre - 0.5 - lo
+  sources = np.clip(np.stack([lo, lo + 1], -1), 0, n_in - 1).astype(np.int64)
+  return sources, np.stack([1 - frac, frac], -1)
+
+
+def grid_taps(n_in: int, n_out: int, method: str) -> tuple[np.ndarray, np.ndarray]:
+  """An n_in x n_in grid resampled onto n_out x n_out by `axis_taps` on both axes, on tokens in raster
+  order: (rows [n_out * n_out, T * T] int32, the flat source positions of each output token;
+  weights [n_out * n_out, T * T] float32, products of the axes' weights rounded once)."""
+  sources, w = axis_taps(n_in, n_out, method)
+  t = sources.shape[1]
+  rows = sources[:, None, :, None] * n_in + sources[None, :, None, :]   # [n_out, n_out, T, T]
+  weights = w[:, None, :, None] * w[None, :, None, :]
+  return rows.reshape(n_out * n_out, t * t).astype(np.int32), weights.reshape(n_out * n_out, t * t).astype(np.float32)

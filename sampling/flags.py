@@ -56,7 +56,7 @@ def check_family(config) -> None:
 
 
 def overrides(family: str, cfg) -> dict:
-  """The sampling flags given and guidance scale `cfg`, as `accel.families` overrides of the config's `sample`."""
+  """The sampling flags given and guidance scale `cfg`, as `sampling.family_from_config` overrides."""
   steps = STEPS if family == 'mar' else EULER
   return dict(cfg=cfg, top_k=TOP_K.value, top_p=TOP_P.value, num_iter=NUM_ITER.value,
               temperature=TEMP.value, cfg_schedule=SCHEDULE.value, num_steps=steps.value)
