@@ -296,7 +296,9 @@ class Trainer:
     with self.startup.phase('compile the train step'):
       step_fn, _, flops = compile_train_step(
           self.task, self.tx, self.schedule, t, self.mesh, self.shardings, self.state, self.frozen, first,
-          check_lowered=functools.partial(multihost.check_same_program, 'train step'))
+          # One process has no peer to compare with: skip printing the program's text.
+          check_lowered=(functools.partial(multihost.check_same_program, 'train step')
+                         if jax.process_count() > 1 else None))
     meter = _Meter(t, flops,
                    throughput.peak_flops(jax.devices()[0], t.peak_flops))
     bar = tqdm(total=t.steps, initial=start, desc=f'train {self.config.family}', unit='step',
