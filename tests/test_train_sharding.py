@@ -26,7 +26,7 @@ import json, sys
 import jax, numpy as np
 sys.path.insert(0, {tests!r})
 from test_train_loop import _toy_task, toy_config
-from train import mesh as mesh_lib, tasks
+from train import mesh as mesh_lib, tasks, throughput
 from train.trainer import Trainer
 
 tasks.BUILDERS['toy'] = _toy_task
@@ -42,7 +42,10 @@ result = trainer.run()
 state = result.state
 np.savez({out!r}, hidden=np.asarray(state.params['hidden']), out=np.asarray(state.params['out']),
          ema=np.asarray(state.ema_params['out']), loss=result.last_metrics['loss'])
+split = {{k: state.params[k] for k in ('hidden', 'out')}}
 print(json.dumps(dict(rows=rows, hidden=str(state.params['hidden'].sharding.spec),
+                      split_bytes=[throughput.bytes_on_device(split, jax.devices()[0]),
+                                   sum(x.nbytes for x in split.values())],
                       out=str(state.params['out'].sharding.spec), mu=str(state.opt_state[0].mu['out'].sharding.spec),
                       mesh=dict(trainer.mesh.shape))))
 '''
@@ -132,6 +135,8 @@ def test_eight_devices_with_fsdp_match_one_device(tmp_path):
   assert report['rows'] == [[i, i + 1, 1] for i in range(8)]
   assert report['hidden'] == str(P(None, 'fsdp')) and report['out'] == str(P('fsdp', None))
   assert report['mu'] == str(P('fsdp', None))  # the optimizer state is split like its parameter
+  on_one_device, whole = report['split_bytes']
+  assert on_one_device * 2 == whole   # fsdp = 2: each device keeps half of a split parameter
 
   config = toy_config(batch_size=8, sample_classes=0)
   config.model.width = WIDE

@@ -55,6 +55,19 @@ class Job:
         self.procs.append(subprocess.Popen([sys.executable, *args[i]], cwd=REPO, env=env, stdout=out, stderr=err,
                                            start_new_session=True))
 
+  def __enter__(self) -> 'Job':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.kill()
+
+  def kill(self) -> None:
+    """SIGKILL to the session of every process still running (a leaving caller takes its job along)."""
+    for p in self.procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
   def _path(self, kind: str, i: int) -> str:
     return os.path.join(self.logs, f'{kind}{i}')
 
@@ -100,10 +113,7 @@ class Job:
     except subprocess.TimeoutExpired:
       pass
     finally:
-      for p in self.procs:
-        if p.poll() is None:
-          os.killpg(p.pid, signal.SIGKILL)
-          p.wait()
+      self.kill()
     return [p.returncode for p in self.procs]
 
   def succeed(self, timeout: float = 600) -> None:

@@ -43,16 +43,18 @@ class Summaries:
       self.writer.close()
 
 
-def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
+def read_scalars(logdir: str, wall_time: bool = False) -> dict[str, list[tuple]]:
   """{tag: [(step, value), ...]} from the event files in `logdir` (TFRecords of Event protos), oldest
-  file first: a resumed run's values follow the first run's."""
+  file first: a resumed run's values follow the first run's. wall_time: (step, value, seconds since
+  the epoch when it was written)."""
   from tensorboardX.proto import event_pb2
-  scalars: dict[str, list[tuple[int, float]]] = {}
+  scalars: dict[str, list[tuple]] = {}
   for name in sorted(os.listdir(logdir)):
     with open(os.path.join(logdir, name), 'rb') as f:
       while header := f.read(12):   # length, its CRC
         event = event_pb2.Event.FromString(f.read(struct.unpack('<Q', header[:8])[0]))
         f.read(4)   # the data's CRC
         for v in event.summary.value:
-          scalars.setdefault(v.tag, []).append((event.step, v.simple_value))
+          row = (event.step, v.simple_value) + ((event.wall_time,) if wall_time else ())
+          scalars.setdefault(v.tag, []).append(row)
   return scalars

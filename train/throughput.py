@@ -1,4 +1,4 @@
-"""FLOPs of a step and the device's peak, for images/s and MFU; the devices' peak memory."""
+"""FLOPs of a step and the device's peak, for images/s and MFU; the devices' memory."""
 from __future__ import annotations
 
 from typing import Optional
@@ -30,3 +30,10 @@ def peak_memory_gib() -> Optional[float]:
   peaks = [(d.memory_stats() or {}).get('peak_bytes_in_use') for d in jax.local_devices()]
   peaks = [p for p in peaks if p is not None]
   return max(peaks) / 2 ** 30 if peaks else None
+
+
+def bytes_on_device(tree, device: jax.Device) -> int:
+  """Bytes of the arrays of `tree` that live on `device` (its shards: a replicated array counts
+  whole, one split over n devices a 1/n part)."""
+  return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)
+             for shard in leaf.addressable_shards if shard.device == device)

@@ -130,6 +130,7 @@ class Trainer:
     except Exception:
       self.ckpts.close()
       raise
+    self._print_state_memory()
     self.summaries = Summaries(self.workdir, enabled=self.is_main)
     # A generator of the built-in data: its grid rows start with a real example of their class, and
     # its samples are scored (a tokenizer's grid shows reconstructions, which its loss measures).
@@ -160,6 +161,14 @@ class Trainer:
     logging.info('resumed from step %d (data position %d)', meta['step'], meta['data_position'])
     self.resumed = meta
     return state
+
+  def _print_state_memory(self) -> None:
+    """The train state's bytes on this process's first device: fsdp = n divides the large arrays by n."""
+    device = jax.local_devices()[0]
+    gib = {name: throughput.bytes_on_device(getattr(self.state, name), device) / 2 ** 30
+           for name in ('params', 'ema_params', 'opt_state')}
+    print(f'process {jax.process_index()}: train state per device: params {gib["params"]:.3f} GiB, '
+          f'EMA {gib["ema_params"]:.3f} GiB, optimizer {gib["opt_state"]:.3f} GiB')
 
   def _data_iterator(self, step: int):
     """The data iterator at step `step`: the checkpoint's grain state when this run reads the data as
