@@ -1,8 +1,9 @@
-"""`compose(a, b, ...)`: several accelerators in one next-scale sampler.
+"""`compose(a, b, ...)`: several accelerators in one next-scale (VAR) sampler.
 
-The composite asks every policy at every hook and combines the answers where that has one
-meaning, and raises ValueError (before compiling, or while tracing for per-step answers)
-where it has none:
+Only VAR has several accelerators (FastVAR, LazyVAR, SparVAR); MAR's and E-CAR's policies are
+refused, naming their family. The composite asks every policy at every hook and combines the
+answers where that has one meaning, and raises ValueError (before compiling, or while tracing
+for per-step answers) where it has none:
   - plan: policies that keep the baseline's plan follow the other's; plans of one scale per
     step that differ only in skipped trailing scales give the shorter (a scale runs only if
     every policy runs it); any other pair of different plans is an error;
@@ -13,7 +14,10 @@ where it has none:
     static answer); its `restore` fills in the others, then every other policy's `restore`
     sees the full output (idx None), so a policy that caches outputs (FastVAR's cache scale)
     still can; at most one policy may compute a block's attention (`attend`, SparVAR's);
-  - attn_mask: the first policy that overrides the baseline's.
+  - attn_mask: the first policy that overrides the baseline's;
+  - guide: at most one policy may make the guided halves (override `guide`), on its own
+    slot; the others' guide is the baseline's, which only computes both halves, so they
+    need not see it.
 """
 from __future__ import annotations
 
@@ -21,11 +25,15 @@ from typing import Any, Optional
 
 import jax
 
+from ecar.policy import StagePolicy
+from var_models.mar.policy import MARPolicy
 from var_models.nn.blocks import BlockHooks
-from var_models.var.policy import ScalePolicy, Step
+from var_models.nn.policy import Binding, Halves, Policy
+from var_models.var.policy import ScalePolicy, Site, Step
 from var_models.var.schedules import ScaleSchedule
 
 Array = jax.Array
+OTHER_FAMILIES = ((MARPolicy, 'a MAR policy'), (StagePolicy, 'an E-CAR policy'))
 
 
 def _one_scale_prefix(plan: tuple[Step, ...]) -> bool:
@@ -94,29 +102,42 @@ class ComposedHooks(BlockHooks):
     return y, state
 
 
+def _guides(policy: ScalePolicy) -> bool:
+  """Whether the policy makes the guided halves itself (overrides the core's `guide`)."""
+  if isinstance(policy, Composed):
+    return policy.guider is not None
+  return type(policy).guide is not Policy.guide
+
+
 class Composed(ScalePolicy):
-  """The policy `compose` returns."""
+  """The policy `compose` returns; `guider` is the slot of the one policy that overrides `guide`,
+  or None."""
 
   def __init__(self, policies: tuple[ScalePolicy, ...]):
     self.policies = policies
+    guiders = [slot for slot, p in enumerate(policies) if _guides(p)]
+    if len(guiders) > 1:
+      names = ', '.join(type(policies[slot]).__name__ for slot in guiders)
+      raise ValueError(f'compose: at most one policy may make the guided halves (override `guide`); {names} do')
+    self.guider = guiders[0] if guiders else None
 
-  def bind(self, sched: ScaleSchedule, depth: int) -> 'Composed':
-    return Composed(tuple(p.bind(sched, depth) for p in self.policies))
+  def bind(self, binding: Binding) -> 'Composed':
+    return Composed(tuple(p.bind(binding) for p in self.policies))
 
   def plan(self, sched: ScaleSchedule) -> tuple[Step, ...]:
     return merge_plans([p.plan(sched) for p in self.policies], sched)
 
-  def init_state(self, sched: ScaleSchedule, batch: int) -> tuple:
-    return tuple(p.init_state(sched, batch) for p in self.policies)
+  def init_state(self, batch: int) -> tuple:
+    return tuple(p.init_state(batch) for p in self.policies)
 
-  def select_input(self, step_idx: int, step: Step, x: Array, state: tuple):
+  def select_input(self, site: Site, x: Array, state: tuple):
     chosen = None
     for slot, p in enumerate(self.policies):
-      sel, sub = p.select_input(step_idx, step, x, state[slot])
+      sel, sub = p.select_input(site, x, state[slot])
       state = _with_slot(state, slot, sub)
       if sel is not None:
         if chosen is not None:
-          raise ValueError(f'compose: two policies select the input tokens of step {step}')
+          raise ValueError(f'compose: two policies select the input tokens of step {site.step}')
         chosen = sel
     return chosen, state
 
@@ -124,11 +145,11 @@ class Composed(ScalePolicy):
     counts = [c for c in (p.input_counts(step) for p in self.policies) if c is not None]
     return counts[0] if counts else None
 
-  def after_step(self, step_idx: int, step: Step, f_hat: Array, state: tuple) -> tuple:
-    return tuple(p.after_step(step_idx, step, f_hat, sub) for p, sub in zip(self.policies, state))
+  def after_step(self, site: Site, f_hat: Array, state: tuple) -> tuple:
+    return tuple(p.after_step(site, f_hat, sub) for p, sub in zip(self.policies, state))
 
-  def block_hooks(self, step_idx: int, step: Step, depth: int):
-    per_policy = [p.block_hooks(step_idx, step, depth) for p in self.policies]
+  def block_hooks(self, site: Site, depth: int):
+    per_policy = [p.block_hooks(site, depth) for p in self.policies]
     if all(h is None for h in per_policy):
       return None
     blocks = []
@@ -143,6 +164,20 @@ class Composed(ScalePolicy):
         return p.attn_mask(step, q_levels, k_levels)
     return super().attn_mask(step, q_levels, k_levels)
 
+  def guide(self, site: int, halves: Halves, state: tuple):
+    if self.guider is None:
+      return super().guide(site, halves, state)
+    out, sub = self.policies[self.guider].guide(site, halves, state[self.guider])
+    return out, _with_slot(state, self.guider, sub)
+
+
+def _not_next_scale(policy) -> ValueError:
+  """The error for a policy compose does not take, naming its family."""
+  family = next((name for cls, name in OTHER_FAMILIES if isinstance(policy, cls)), None)
+  got = (f'{family} (MAR and E-CAR have one accelerator each: nothing to compose)' if family
+         else 'not a next-scale policy (var_models.var.ScalePolicy)')
+  return ValueError(f'compose combines next-scale (VAR) policies; got {type(policy).__name__}, {got}')
+
 
 def compose(*policies: ScalePolicy) -> ScalePolicy:
   """One policy that runs every one of `policies` (at least two ScalePolicy objects)."""
@@ -150,5 +185,5 @@ def compose(*policies: ScalePolicy) -> ScalePolicy:
     raise ValueError(f'compose takes at least two policies, got {len(policies)}')
   for p in policies:
     if not isinstance(p, ScalePolicy):
-      raise ValueError(f'compose takes next-scale policies (var_models.var.ScalePolicy), got {type(p).__name__}')
+      raise _not_next_scale(p)
   return Composed(tuple(policies))

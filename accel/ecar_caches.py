@@ -4,9 +4,9 @@
 
 In each chosen stage, Euler step i (0-based, local to the stage) is *full* when i % interval == 0:
 the denoiser runs on the doubled [cond; uncond] batch and the residual v_u - v_c is kept; the
-other steps run the conditional half only and take v_u = v_c + that residual. The guided
-velocity is v_u + scale * (v_c - v_u) either way. The full/cached choice is a `lax.cond` on the
-traced step inside the stage's Euler loop (the sampler's loop is a `fori_loop`).
+other steps run the conditional half only and take v_u = v_c + that residual. `guide` returns
+(v_c, v_u) and the sampler mixes them, v_u + scale * (v_c - v_u), either way. The full/cached choice
+is a `lax.cond` on the traced step inside the stage's Euler loop (the sampler's loop is a `fori_loop`).
 
 LazyMAR's other idea, a token cache on the last stage's denoiser, is not here: measured
 (`benchmarks/ecar_token_cache.py`, benchmarks/RESULTS.md), most tokens' velocity moves < 1 % per
@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from accel.presets import Presets, setting_error
-from ecar.policy import Denoise, StagePolicy
+from ecar.config import ECARConfig
+from ecar.policy import FlowStep, StagePolicy
+from var_models.nn.policy import Binding, Halves
 
 Array = jax.Array
 
@@ -40,12 +42,14 @@ class ECARConditionCache(Presets, StagePolicy):
   """Static settings (see the module docstring):
     interval -- a full (both halves) step every `interval` Euler steps of a stage, from its first;
     stages   -- the stages that cache (negative counts from the last; None: every stage);
-    source   -- where the setting comes from (presets say).
+    source   -- where the setting comes from (presets say);
+    ecar_cfg -- the model's config, set by `bind` (the stage count, the residuals' shapes).
   """
   PRESETS: ClassVar[dict] = PRESETS
   interval: int = 2
   stages: Optional[tuple[int, ...]] = None
   source: str = 'user'
+  ecar_cfg: Optional[ECARConfig] = dataclasses.field(default=None, repr=False, compare=False)
 
   def __post_init__(self):
     if not isinstance(self.interval, int) or self.interval < 1:
@@ -56,32 +60,41 @@ class ECARConditionCache(Presets, StagePolicy):
         raise setting_error(self, 'stages', f'must be distinct stage indices, got {self.stages}')
       object.__setattr__(self, 'stages', stages)
 
-  def bind(self, cfg) -> 'ECARConditionCache':
-    n = cfg.num_stages
+  def bind(self, binding: Binding) -> 'ECARConditionCache':
+    n = binding.model.num_stages
     if self.stages is not None and any(not -n <= s < n for s in self.stages):
       raise setting_error(self, 'stages', f'{self.stages} is outside the {n} stages')
-    return self
+    return dataclasses.replace(self, ecar_cfg=binding.model)
 
-  def init_state(self, cfg, batch: int) -> dict:
-    """One residual [B, g, g, D] per stage (batch is the doubled 2B)."""
-    return {'residual': tuple(jnp.zeros((batch // 2, g, g, cfg.data_channels), jnp.float32)
+  def _cfg(self) -> ECARConfig:
+    if self.ecar_cfg is None:
+      raise ValueError('ECARConditionCache: unbound; the sampler binds it (or call `bind(Binding(...))`)')
+    return self.ecar_cfg
+
+  def init_state(self, batch: int) -> dict:
+    """One residual v_u - v_c [B, g, g, D] float32 per stage (B = batch samples)."""
+    cfg = self._cfg()
+    return {'residual': tuple(jnp.zeros((batch, g, g, cfg.data_channels), jnp.float32)
                               for g in cfg.stage_sizes)}
 
-  def caches(self, stage: int, num_stages: int) -> bool:
-    return self.stages is None or stage in {s % num_stages for s in self.stages}
+  def caches(self, stage: int) -> bool:
+    """Whether `stage` caches (the others run plain guidance)."""
+    return self.stages is None or stage in {s % self._cfg().num_stages for s in self.stages}
 
-  def guided_velocity(self, stage: int, step: Array, x: Array, denoise: Denoise, guidance: Array, state: dict):
-    if not self.caches(stage, len(state['residual'])):
-      return super().guided_velocity(stage, step, x, denoise, guidance, state)
+  def guide(self, site: FlowStep, halves: Halves, state: dict):
+    """(v_c, v_u) [B, g, g, D] float32 at Euler step site.step of site.stage: both halves computed
+    on full steps, v_u = v_c + the stage's residual on cached ones; the new state."""
+    stage = site.stage
+    if not self.caches(stage):
+      return super().guide(site, halves, state)
 
     def full(_):
-      v_c, v_u = denoise.both(x)
+      v_c, v_u = halves.both()
       return v_c.astype(jnp.float32), (v_u - v_c).astype(jnp.float32)
 
     def cached(_):
-      return denoise.cond(x).astype(jnp.float32), state['residual'][stage]
+      return halves.cond().astype(jnp.float32), state['residual'][stage]
 
-    v_c, residual = jax.lax.cond(step % self.interval == 0, full, cached, None)
-    v_u = v_c + residual
+    v_c, residual = jax.lax.cond(site.step % self.interval == 0, full, cached, None)
     residuals = state['residual'][:stage] + (residual,) + state['residual'][stage + 1:]
-    return v_u + guidance * (v_c - v_u), {**state, 'residual': residuals}
+    return (v_c, v_c + residual), {**state, 'residual': residuals}

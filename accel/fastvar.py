@@ -37,7 +37,8 @@ from accel.presets import Presets, setting_error
 import pallas_kernels as pk
 from var_models.nn.blocks import BlockHooks
 from var_models.nn.resample import area_resize, area_upsample
-from var_models.var.policy import ScalePolicy, Step
+from var_models.nn.policy import Binding
+from var_models.var.policy import ScalePolicy, Site, Step
 from var_models.var.schedules import ScaleSchedule
 
 Array = jax.Array
@@ -123,7 +124,7 @@ class FastVAR(Presets, ScalePolicy):
     cache_at -- side of the scale whose sub-layer outputs restore the pruned tokens;
     blocks   -- 0-based blocks that prune (None: every block); the others run every token;
     source   -- where the setting comes from (presets say).
-  The sampler binds it to its schedule (`bind`), which checks the settings against it.
+  The sampler binds it to its schedule and depth (`bind`), which checks the settings against them.
   """
   PRESETS: ClassVar[dict] = PRESETS
   ratios: tuple[tuple[int, float], ...]
@@ -158,8 +159,8 @@ class FastVAR(Presets, ScalePolicy):
   def skipped(self) -> tuple[int, ...]:
     return tuple(s for s, r in self.ratios if r == 1.0)
 
-  def bind(self, sched: ScaleSchedule, depth: int) -> 'FastVAR':
-    pns = sched.patch_nums
+  def bind(self, binding: Binding) -> 'FastVAR':
+    pns, depth = binding.schedule.patch_nums, binding.model.depth
     for side, _ in self.ratios:
       if side not in pns:
         raise setting_error(self, 'ratios', f'scale {side} is not in the schedule {pns}')
@@ -180,14 +181,14 @@ class FastVAR(Presets, ScalePolicy):
   def plan(self, sched: ScaleSchedule) -> tuple[Step, ...]:
     return tuple(Step((si,)) for si in range(sched.num_scales - len(self.skipped)))
 
-  def init_state(self, sched: ScaleSchedule, batch: int) -> dict:
+  def init_state(self, batch: int) -> dict:
     """The cache-scale outputs {'BLOCK/SITE': [2B, cache_at ** 2, C]}, filled at the cache step."""
     return {}
 
-  def block_hooks(self, step_idx: int, step: Step, depth: int):
+  def block_hooks(self, site: Site, depth: int):
     if self.patch_nums is None:
       raise ValueError('FastVAR.block_hooks: bind the policy to a schedule first (make_sampler does)')
-    side = self.patch_nums[step.scales[0]]
+    side = self.patch_nums[site.step.scales[0]]
     if side in self.pruned:
       keep = keep_count(side * side, self.pruned[side])
     elif side == self.cache_at and self.pruned:

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import statistics
-import time
 from typing import Optional
 
 import jax
@@ -22,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from accel import metrics
-from accel.timing import timed_calls
+from accel.timing import compiled_in, timed_calls
 from sampling import Family
 
 @dataclasses.dataclass
@@ -63,9 +62,7 @@ def run_sampler(family: Family, policy, seeds: list[int], labels: np.ndarray, ba
   sample = family.make(policy)
   groups = [slice(i, i + batch) for i in range(0, len(seeds), batch)]
   calls = [(jax.random.key(seeds[g.start]), np.resize(labels[g], batch).astype(np.int32)) for g in groups]
-  t0 = time.perf_counter()
-  compiled = sample.lower(family.params, *calls[0], **family.opts).compile()
-  compile_s = time.perf_counter() - t0
+  compiled, compile_s = compiled_in(sample.lower(family.params, *calls[0], **family.opts))
   args = [sample.arguments(family.params, *c, **family.opts) for c in calls]   # checked outside the timed calls
   images, indices, times = [], [], []
   for g, ((out, aux), seconds) in zip(groups, timed_calls(compiled, [args[0], *args], warmup=1)):

@@ -47,10 +47,10 @@ import jax.numpy as jnp
 
 from accel.presets import Presets, setting_error
 from var_models.mar.diffloss import HeadCache, HeadHooks
-from var_models.mar.policy import IterInfo, IterPlan, MARPolicy
-from var_models.mar.sampler import mask_schedule
+from var_models.mar.policy import IterInfo, IterPlan, MARPolicy, Site
 from var_models.nn import tokens as tok
 from var_models.nn.blocks import BlockHooks
+from var_models.nn.policy import Binding, Halves
 
 Array = jax.Array
 
@@ -280,11 +280,16 @@ class LazyMAR(Presets, MARPolicy):
                                refresh_every=max(1, round(9 * num_iter / OFFICIAL_ITERS)), ratios=ratios,
                                scaled=False)
 
-  def bind(self, cfg, num_iter: int, guided: bool, diffusion_steps: int) -> 'LazyMAR':
+  def bind(self, binding: Binding) -> 'LazyMAR':
+    """The policy for `binding.model` (a MARConfig) and the mask schedule of `binding.schedule`
+    (a MARSchedule), with its per-iteration counts in `bound`."""
+    cfg, sched = binding.model, binding.schedule.mask
+    num_iter = binding.schedule.num_iter
     if self.scaled:
-      return self.scaled_to(num_iter).bind(cfg, num_iter, guided, diffusion_steps)
-    if (self.caches_iterations or self.head) and not guided:
-      raise setting_error(self, 'guided', 'LazyMAR caches the CFG halves: make the sampler with guided=True')
+      return self.scaled_to(num_iter).bind(binding)
+    if not binding.guided:
+      raise setting_error(self, 'guided', 'LazyMAR runs with CFG only (its caches hold the CFG halves and its '
+                          '`guide` closes each iteration): make the sampler with guided=True')
     if len(self.ratios) != num_iter:
       raise setting_error(self, 'ratios', f'{len(self.ratios)} entries for a sampler of {num_iter} iterations (the '
                           "official constants fit 64; the 'scaled' preset fits any count)")
@@ -294,7 +299,6 @@ class LazyMAR(Presets, MARPolicy):
     if self.head and self.head_skip and self.head_skip[-1] >= cfg.diffloss_d:
       raise setting_error(self, 'head_skip',
                           f'block {self.head_skip[-1]} is past the head depth {cfg.diffloss_d} (0-based)')
-    sched = mask_schedule(cfg.seq_len, num_iter)
     length = cfg.buffer_size + cfg.seq_len
     refresh = tuple(is_refresh(s, self.refresh_start, self.refresh_every) for s in range(num_iter))
     n_pred = [int(n) for n in sched.n_pred]
@@ -323,7 +327,7 @@ class LazyMAR(Presets, MARPolicy):
                  IterPlan(uncond=not self.condition, tag=('cached', b.bucket[s] if self.decoder else None))
                  for s in range(num_iter))
 
-  def init_state(self, batch: int, guided: bool) -> dict:
+  def init_state(self, batch: int) -> dict:
     """Caches of the rows cached iterations run (B with the condition cache, else 2B)."""
     b = self._bound()
     rows, state = self._rows(batch), {}
@@ -366,10 +370,19 @@ class LazyMAR(Presets, MARPolicy):
     encoded = _positions_mask(enc_idx, b.length) if cached and self.encoder else known
     return {**state, 'it': it, 'encoded': encoded}
 
-  def encoder_hooks(self, plan: IterPlan, depth: int):
-    if not self.encoder or plan.tag is None:
+  def block_hooks(self, site: Site, depth: int):
+    """The encoder cache's hooks on the encoder, the token cache's on the decoder (None where the
+    cache is off or no iteration caches)."""
+    plan = site.plan
+    if plan.tag is None:
       return None
-    return [_EncoderHooks(i, plan.tag != 'full') for i in range(depth)]
+    if site.stack == 'encoder':
+      return [_EncoderHooks(i, plan.tag != 'full') for i in range(depth)] if self.encoder else None
+    if not self.decoder:
+      return None
+    bound = None if plan.tag == 'full' else plan.tag[1]
+    s = self.similarity_block
+    return [None] * s + [_DecoderHooks(self, i, bound) for i in range(s, depth)]
 
   def decoder_input(self, plan: IterPlan, x: Array, state: dict):
     if not self.encoder or plan.tag is None:
@@ -380,32 +393,28 @@ class LazyMAR(Presets, MARPolicy):
       x = jnp.where(fresh[..., None], x, state['dec_in'].astype(x.dtype))
     return x, {**state, 'dec_in': x[:rows].astype(jnp.float32)}
 
-  def decoder_hooks(self, plan: IterPlan, depth: int):
-    if not self.decoder or plan.tag is None:
-      return None
-    bound = None if plan.tag == 'full' else plan.tag[1]
-    s = self.similarity_block
-    return [None] * s + [_DecoderHooks(self, i, bound) for i in range(s, depth)]
-
-  def guidance(self, plan: IterPlan, x: Array, state: dict):
-    """Also closes the iteration: zeroes the positions the decoder did not keep, notes the
-    predictions for the next iteration and drops the iteration's scratch values."""
-    b, it = self._bound(), state['it']
-    batch = state['prev_pred'].shape[0]
-    kept = state['kept']
+  def guide(self, site: IterPlan, halves: Halves, state: dict):
+    """The decoder blocks' output of the cond and uncond halves [B, L, Cd]: positions the decoder
+    did not keep are 0; with the condition cache a cached iteration's uncond is cond + the last
+    refresh's uncond - cond. Also closes the iteration: notes its predictions for the next one and
+    drops its scratch values."""
+    b, it, plan = self._bound(), state['it'], site
+    cond, uncond = halves.both() if plan.uncond else (halves.cond(), None)
+    batch, kept = cond.shape[0], state['kept']
     if 'keep' in it:
-      kept_rows = _positions_mask(it['keep'], b.length)
-      x = jnp.where(kept_rows[..., None], x, jnp.zeros((), x.dtype))
+      kept_rows = _positions_mask(it['keep'], b.length)   # [rows, L]: each row's own kept positions
+      cond = jnp.where(kept_rows[:batch, :, None], cond, jnp.zeros((), cond.dtype))
+      if uncond is not None:
+        uncond = jnp.where(kept_rows[batch:, :, None], uncond, jnp.zeros((), uncond.dtype))
       kept = kept_rows[:batch]
     elif plan.tag is not None:
       kept = jnp.ones_like(kept)
-    if self.condition and plan.tag is not None:
-      if plan.uncond:
-        state = {**state, 'diff': (x[batch:] - x[:batch]).astype(jnp.float32)}
-      else:
-        x = jnp.concatenate([x, (x + state['diff']).astype(x.dtype)])
+    if uncond is None:
+      uncond = (cond + state['diff']).astype(cond.dtype)
+    elif self.condition and plan.tag is not None:
+      state = {**state, 'diff': (uncond - cond).astype(jnp.float32)}
     state = {k: v for k, v in state.items() if k != 'it'}
-    return x, {**state, 'prev_pred': it['pred'], 'kept': kept}
+    return (cond, uncond), {**state, 'prev_pred': it['pred'], 'kept': kept}
 
   def head_cache(self, plan: IterPlan) -> Optional[HeadCache]:
     if not self.head:

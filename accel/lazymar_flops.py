@@ -43,8 +43,9 @@ from var_models.mar.flops import KEY, decode_flops, polynomial, sds
 from var_models.mar.gaussian_diffusion import create_diffusion
 from var_models.mar.model import MAR, MARConfig, diffloss_net, init_params
 from var_models.mar.policy import IterPlan
-from var_models.mar.sampler import mask_schedule
+from var_models.mar.schedule import MARSchedule, MaskSchedule, mask_schedule
 from var_models.nn.blocks import BlockHooks
+from var_models.nn.policy import Binding
 from var_models.tokenizers.autoencoder_kl import AutoencoderKLConfig
 
 
@@ -52,8 +53,7 @@ def lazymar_sampling_flops(cfg: MARConfig, vae_cfg: AutoencoderKLConfig, policy:
                            num_steps: int = 100) -> dict:
   """{'per_image', 'per_image_without_decode', 'transformer', 'head', 'decode'}: FLOPs of sampling one
   image with `policy` (guided, `num_iter` iterations, `num_steps` head steps), as `sampling_flops`."""
-  policy = policy.bind(cfg, num_iter, True, num_steps)
-  sched = mask_schedule(cfg.seq_len, num_iter)
+  policy, sched = _bound(cfg, policy, num_iter, num_steps)
   trans = float(sum(_iteration(cfg, policy, sched, step) for step in range(num_iter)))
   head = _head(cfg, policy, num_steps)
   heads = float(sum(head(int(n)) for n in sched.n_pred))
@@ -66,8 +66,7 @@ def official_extra(cfg: MARConfig, policy: LazyMAR, *, num_iter: int = 64, num_s
   """FLOPs per image the official code's way of computing `policy`'s caches adds to
   `lazymar_sampling_flops` (module docstring), by the Dense shapes: the adaLN's shift and scale
   columns at the head's cached steps, z_proj and decoder_embed on the rows and positions we skip."""
-  policy = policy.bind(cfg, num_iter, True, num_steps)
-  sched, extra = mask_schedule(cfg.seq_len, num_iter), 0.0
+  (policy, sched), extra = _bound(cfg, policy, num_iter, num_steps), 0.0
   if policy.head:
     cached_steps = policy.head_cache(IterPlan()).kinds(num_steps).count('cached')
     running = cfg.diffloss_d - len(policy.head_skip)
@@ -80,7 +79,14 @@ def official_extra(cfg: MARConfig, policy: LazyMAR, *, num_iter: int = 64, num_s
   return extra
 
 
-def _sizes(cfg: MARConfig, policy: LazyMAR, sched, step: int) -> tuple[bool, int, int, int, int]:
+def _bound(cfg: MARConfig, policy: LazyMAR, num_iter: int, num_steps: int) -> tuple[LazyMAR, MaskSchedule]:
+  """(the policy bound as a guided sampler of `num_iter` iterations and `num_steps` head steps binds it,
+  that sampler's mask schedule)."""
+  schedule = MARSchedule(mask_schedule(cfg.seq_len, num_iter), num_steps)
+  return policy.bind(Binding(cfg, schedule, guided=True)), schedule.mask
+
+
+def _sizes(cfg: MARConfig, policy: LazyMAR, sched: MaskSchedule, step: int) -> tuple[bool, int, int, int, int]:
   """(cached, rows, known, fresh, kept) of iteration `step`: whether it is a cached one, the CFG rows that
   run, the buffer + known tokens (the encoder's keys), the encoder's queries, and the decoder positions
   forwarded past the similarity block."""
@@ -92,7 +98,7 @@ def _sizes(cfg: MARConfig, policy: LazyMAR, sched, step: int) -> tuple[bool, int
           b.keep[step] if cached and policy.decoder else b.length)
 
 
-def _iteration(cfg: MARConfig, policy: LazyMAR, sched, step: int) -> float:
+def _iteration(cfg: MARConfig, policy: LazyMAR, sched: MaskSchedule, step: int) -> float:
   """Encoder and decoder FLOPs of iteration `step` (module docstring)."""
   _, rows, known, fresh, kept = _sizes(cfg, policy, sched, step)
   length, s, depth = policy.bound.length, policy.similarity_block, cfg.decoder_depth

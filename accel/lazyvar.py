@@ -42,7 +42,8 @@ import numpy as np
 
 from accel.presets import Presets, setting_error
 from var_models.nn.resample import area_resize
-from var_models.var.policy import ScalePolicy, Step
+from var_models.nn.policy import Binding
+from var_models.var.policy import ScalePolicy, Site, Step
 from var_models.var.schedules import ScaleSchedule
 
 Array = jax.Array
@@ -134,7 +135,8 @@ class LazyVAR(Presets, ScalePolicy):
     if self.cum not in CUM_READINGS:
       raise setting_error(self, 'cum', f'must be one of {CUM_READINGS}, got {self.cum!r}')
 
-  def bind(self, sched: ScaleSchedule, depth: int) -> 'LazyVAR':
+  def bind(self, binding: Binding) -> 'LazyVAR':
+    sched = binding.schedule
     if self.start + len(self.retention) != sched.num_scales:
       raise setting_error(self, 'retention', f'{len(self.retention)} scales from start={self.start} must reach the '
                           f'last of the {sched.num_scales} scales {sched.patch_nums}')
@@ -154,16 +156,19 @@ class LazyVAR(Presets, ScalePolicy):
   def input_counts(self, step: Step) -> Optional[tuple[int, ...]]:
     return self._counts(step.scales) if step.scales[0] >= self.start else None
 
-  def init_state(self, sched: ScaleSchedule, batch: int) -> dict:
+  def init_state(self, batch: int) -> dict:
+    """Empty: `after_step` fills it with f_hat [B, H, W, C] before and after the last step."""
     return {}
 
-  def after_step(self, step_idx: int, step: Step, f_hat: Array, state: dict) -> dict:
+  def after_step(self, site: Site, f_hat: Array, state: dict) -> dict:
     """Keeps f_hat [B, H, W, C] from before and after the last step (the scale loop is unrolled,
     so the state may change shape between steps)."""
     return {'f_prev': state.get('f_now', jnp.zeros_like(f_hat)), 'f_now': f_hat}
 
-  def select_input(self, step_idx: int, step: Step, x: Array, state: dict):
-    """Kept positions [2B, k] over the step's concatenated tokens, scale by scale, ascending."""
+  def select_input(self, site: Site, x: Array, state: dict):
+    """Kept positions [2B, k] over the step's concatenated tokens x [2B, l, C], scale by scale,
+    ascending (both CFG halves keep the same ones)."""
+    step = site.step
     counts = self.input_counts(step)
     if counts is None:
       return None, state

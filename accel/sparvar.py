@@ -50,8 +50,8 @@ from accel.presets import Presets, setting_error
 from var_models.nn import attention as attn_lib
 from var_models.nn import resample
 from var_models.nn.blocks import BlockHooks
-from var_models.var.policy import ScalePolicy, Step
-from var_models.var.schedules import ScaleSchedule
+from var_models.nn.policy import Binding
+from var_models.var.policy import ScalePolicy, Site
 
 Array = jax.Array
 UPSAMPLING = {'linear': 'bilinear', 'nearest': 'nearest-exact'}   # jax.image.resize's names -> resample's
@@ -320,8 +320,8 @@ class SparVAR(Presets, ScalePolicy):
     if self.sink_scales < 0:
       raise setting_error(self, 'sink_scales', f'must be >= 0, got {self.sink_scales}')
 
-  def bind(self, sched: ScaleSchedule, depth: int) -> 'SparVAR':
-    pns = sched.patch_nums
+  def bind(self, binding: Binding) -> 'SparVAR':
+    pns = binding.schedule.patch_nums
     for field, sides in (('decision', (self.decision,)), ('sparse', self.sparse)):
       missing = [s for s in sides if s not in pns]
       if missing:
@@ -348,14 +348,15 @@ class SparVAR(Presets, ScalePolicy):
   def cs4a_count(self, depth: int) -> int:
     return int(round(self.cs4a_layers * depth))
 
-  def init_state(self, sched: ScaleSchedule, batch: int) -> dict:
-    """Per CS4A block, from the decision scale on: 'BLOCK/top' [B, H, G_S, k] int32 (ascending) and
-    'BLOCK/cache' [B, N_S, H, D] (O_cache)."""
+  def init_state(self, batch: int) -> dict:
+    """Per CS4A block, from the decision scale on: 'BLOCK/top' [2B, H, G_S, k] int32 (ascending)
+    and 'BLOCK/cache' [2B, N_S, H, D] (O_cache)."""
     return {}
 
-  def block_hooks(self, step_idx: int, step: Step, depth: int):
+  def block_hooks(self, site: Site, depth: int):
     if self.patch_nums is None:
       raise ValueError('SparVAR.block_hooks: bind the policy to a schedule first (make_sampler does)')
+    step = site.step
     if len(step.scales) != 1:
       raise ValueError(f'SparVAR: step {step} runs scales {step.scales} as one (parallel decoding, '
                        "LazyVAR's group): SparVAR needs one scale per step")

@@ -42,6 +42,7 @@ import numpy as np
 from accel import LazyMAR, policy_from_spec
 from accel.fidelity import peak_bytes
 from accel.lazymar_flops import lazymar_sampling_flops, official_extra
+from accel.timing import compiled_in
 from timing import call_times, device_events, print_top_device_ops
 from var_models.flop_count import flops
 from var_models.mar import model as mar_model
@@ -50,6 +51,7 @@ from var_models.tokenizers.autoencoder_kl import KL16
 from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig
 from var_models.var.from_config import init_var_params
 from var_models.var.model import VARConfig
+from var_models.var.policy import var_binding
 from var_models.var.sampler import make_sampler
 from var_models.var.schedules import INFINITY_1024, VAR_256
 
@@ -76,7 +78,7 @@ def fitting(specs: list[str], var_cfg: VARConfig) -> tuple[str, ...]:
   """The specs whose policies fit the model's schedule and depth."""
   def fits(spec):
     try:
-      policy_from_spec(spec).bind(var_cfg.schedule, var_cfg.depth)
+      policy_from_spec(spec).bind(var_binding(var_cfg))
       return True
     except ValueError:
       return False
@@ -114,9 +116,7 @@ def decoder_job(vq_cfg, params, batch: int):
 def compile_in(pool, name, lowered):
   """A future of (name, (compiled, compile s)): the compile runs in the pool while the caller lowers on."""
   def one():
-    t0 = time.perf_counter()
-    compiled = lowered.compile()
-    seconds = time.perf_counter() - t0
+    compiled, seconds = compiled_in(lowered)
     print(f'compiled {name} in {seconds:.1f} s', flush=True)
     return name, (compiled, seconds)
   return pool.submit(one)

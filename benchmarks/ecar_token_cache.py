@@ -27,9 +27,10 @@ import numpy as np
 import ecar
 from accel.fidelity import parse_seeds
 from sampling import family_from_config
-from ecar.policy import StagePolicy
+from ecar.policy import FlowStep, StagePolicy
 from ecar.sampler import steps_per_stage
 from timing import call_times
+from var_models.nn.policy import Halves
 
 
 def _per_token(v: jax.Array, patch: int) -> jax.Array:
@@ -47,25 +48,27 @@ def _rel_change(now: jax.Array, prev: jax.Array, patch: int) -> jax.Array:
 
 class ChangeRecorder(StagePolicy):
   """The baseline computation, reporting per Euler step (after a stage's first) each token's relative
-  change of v_c and of v_u - v_c to the host (`jax.debug.callback`, keyed by stage and step)."""
+  change of v_c and of v_u - v_c to the host (`jax.debug.callback`, keyed by stage and step). Its state
+  holds per stage the previous step's [2, B, g, g, D] stack of v_c and v_u - v_c."""
 
-  def __init__(self, patch: int):
-    self.patch, self.records = patch, {}
+  def __init__(self, cfg: ecar.ECARConfig):
+    self.cfg, self.patch, self.records = cfg, cfg.patch_size, {}
 
-  def init_state(self, cfg, batch: int):
-    return tuple(jnp.zeros((2, batch // 2, g, g, cfg.data_channels), jnp.float32) for g in cfg.stage_sizes)
+  def init_state(self, batch: int):
+    return tuple(jnp.zeros((2, batch, g, g, self.cfg.data_channels), jnp.float32) for g in self.cfg.stage_sizes)
 
   def _store(self, stage, step, change_c, change_r):
     self.records.setdefault((int(stage), int(step)), []).append((np.asarray(change_c), np.asarray(change_r)))
 
-  def guided_velocity(self, stage, step, x, denoise, guidance, state):
-    v_c, v_u = (v.astype(jnp.float32) for v in denoise.both(x))
+  def guide(self, site: FlowStep, halves: Halves, state):
+    stage, step = site
+    v_c, v_u = halves.both()
     prev_c, prev_r = state[stage]
     jax.lax.cond(step > 0, lambda: jax.debug.callback(
         self._store, stage, step, _rel_change(v_c, prev_c, self.patch), _rel_change(v_u - v_c, prev_r, self.patch)),
         lambda: None)
     state = state[:stage] + (jnp.stack([v_c, v_u - v_c]),) + state[stage + 1:]
-    return v_u + guidance * (v_c - v_u), state
+    return (v_c, v_u), state
 
 
 def change_report(args) -> None:
@@ -75,7 +78,7 @@ def change_report(args) -> None:
     raise ValueError(f'--config must be configs/ecar.py:VARIANT, got {args.config!r}')
   config = ecar_configs.get_config(variant)
   family, cfg = family_from_config(config, args.ckpt, dict(num_steps=args.steps)), ecar.ecar_config(config)
-  recorder = ChangeRecorder(cfg.patch_size)
+  recorder = ChangeRecorder(cfg)
   sample = family.make(recorder)
   for seed in parse_seeds(args.seeds):
     labels = np.array([seed % family.num_classes], np.int32)

@@ -42,7 +42,8 @@ sys.path.append(sys.path.pop(0))
 from accel.lazymar import LazyMAR  # pylint: disable=wrong-import-position
 from var_models.convert.mar import convert_mar
 from var_models.mar import model as mar
-from var_models.mar.sampler import make_mar_sampler, mask_schedule
+from var_models.mar.sampler import make_mar_sampler
+from var_models.mar.schedule import mask_schedule
 from var_models.tokenizers.autoencoder_kl import AutoencoderKLConfig
 
 jax.config.update('jax_default_matmul_precision', 'highest')

@@ -6,12 +6,11 @@ import glob
 import gzip
 import json
 import statistics
-import time
 from typing import Callable
 
 import jax
 
-from accel.timing import timed_calls
+from accel.timing import compiled_in, timed_calls
 
 
 def xla_variants(spec: str) -> list[dict]:
@@ -33,9 +32,7 @@ def time_compiled(lowered, make_args: Callable[[int], tuple], batch: int, warmup
 
   Returns (compiled, row) with compile seconds and median / min / max milliseconds.
   """
-  t0 = time.perf_counter()
-  compiled = lowered.compile(compiler_options=compiler_options or None)
-  compile_s = time.perf_counter() - t0
+  compiled, compile_s = compiled_in(lowered, compiler_options)
   times = call_times(compiled, make_args, warmup, iters)
   med = statistics.median(times)
   return compiled, dict(compile_s=compile_s, median_ms=med * 1e3, per_image_ms=med * 1e3 / batch,

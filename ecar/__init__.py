@@ -6,7 +6,7 @@ Public API:
   ECAR, init_params, param_count         -- the AR transformer + per-stage denoisers (one params tree)
   init_gradnorm, GradNormState, loss_fn  -- per-stage flow-matching loss balanced by GradNorm
   encode_images, decode, init_vae_params -- the data space: scaled SDXL-VAE latents, or pixels
-  make_sampler, StagePolicy, Denoise     -- the compiled sampler and its policy hook points
+  make_sampler, StagePolicy, FlowStep    -- the compiled sampler, its policy and guide's site
   sampling_flops                         -- matmul FLOPs of sampling one image (counted on the jaxpr)
   stage_flow, renoise_jump, block_noise  -- the multistage flow's pieces
 """
@@ -18,5 +18,5 @@ from ecar.gradnorm import GradNormState
 from ecar.latents import decode, encode_images, init_vae_params
 from ecar.loss import init_gradnorm, loss_fn
 from ecar.model import ECAR, init_params, param_count
-from ecar.policy import Denoise, StagePolicy
+from ecar.policy import FlowStep, StagePolicy
 from ecar.sampler import make_sampler

@@ -31,11 +31,12 @@ from ecar.config import ECARConfig
 from ecar.latents import decode
 from ecar.layers import merged_adaln
 from ecar.model import ECAR
-from ecar.policy import BASELINE, Denoise, StagePolicy
+from ecar.policy import BASELINE, FlowStep, StagePolicy
 from var_models.nn import tokens as tok
 from var_models.nn.attention import KVCache
 from var_models.nn.blocks import dense_params_in
 from var_models.nn.checks import check_labels
+from var_models.nn.policy import Binding, Halves
 
 Array = jax.Array
 
@@ -67,7 +68,8 @@ class _Sampler:
   """Static parts (config, steps, policy); `__call__` is the public sampler."""
 
   def __init__(self, ecar_cfg: ECARConfig, steps: tuple[int, ...], policy: StagePolicy, return_intermediates: bool):
-    self.cfg, self.steps, self.policy = ecar_cfg, steps, policy.bind(ecar_cfg)
+    self.cfg, self.steps = ecar_cfg, steps
+    self.policy = policy.bind(Binding(model=ecar_cfg, schedule=steps, guided=True))
     self.model, self.flow = ECAR(ecar_cfg), ecar_cfg.flow
     self.return_intermediates = return_intermediates
     self._jitted = jax.jit(self._sample)
@@ -98,7 +100,7 @@ class _Sampler:
                             method=ECAR.class_embedding)
     head_dim = cfg.ar_width // cfg.ar_heads
     kvs = KVCache.create_many(cfg.ar_depth, 2 * b, cfg.num_tokens, cfg.ar_heads, head_dim, cfg.dtype)
-    state = self.policy.init_state(cfg, 2 * b)
+    state = self.policy.init_state(b)
     key, k_init = jax.random.split(key)
     x = jax.random.normal(k_init, (b, cfg.stage_sizes[0], cfg.stage_sizes[0], cfg.data_channels), jnp.float32)
     aux = {'r': [], 'ends': []}
@@ -133,20 +135,21 @@ class _Sampler:
 
   def euler_step(self, v, s: int, i: Array, x: Array, cond: Array, guidance: Array, state: Any,
                  adaln: Optional[tuple[Array, Array]] = None):
-    """One Euler step of stage s: x [B, g, g, D] at local time i / n -> (x + v / n, state).
-    cond [2B, N_s, W] is the denoiser's condition from the AR ([cond; uncond]); adaln its merged
-    adaLN weights (`layers.merged_adaln`); guidance the call's `cfg`."""
+    """One Euler step of stage s: x [B, g, g, D] at local time i / n -> (x + v / n, state), with
+    v = v_u + guidance * (v_c - v_u) from the policy's `guide`. cond [2B, N_s, W] is the denoiser's
+    condition from the AR ([cond; uncond]); adaln its merged adaLN weights (`layers.merged_adaln`);
+    guidance the call's `cfg`."""
     n, b = self.steps[s], x.shape[0]
     ts = flow_lib.timestep(self.flow, s, jnp.full((2 * b,), i, jnp.float32) / n)
     vel = lambda xx, c, t: self.model.apply(v, s, xx, t, c, adaln, method=ECAR.den_velocity)
 
-    def both(xx):
-      out = vel(jnp.concatenate([xx, xx]), cond, ts)
+    def both():
+      out = vel(jnp.concatenate([x, x]), cond, ts)
       return out[:b], out[b:]
 
-    denoise = Denoise(both, lambda xx: vel(xx, cond[:b], ts[:b]))
-    velocity, state = self.policy.guided_velocity(s, i, x, denoise, guidance, state)
-    return x + velocity / n, state
+    halves = Halves(both=both, cond=lambda: vel(x, cond[:b], ts[:b]))
+    (v_cond, v_uncond), state = self.policy.guide(FlowStep(s, i), halves, state)
+    return x + (v_uncond + guidance * (v_cond - v_uncond)) / n, state
 
 
 def make_sampler(ecar_cfg: ECARConfig, *, num_steps: Union[int, Sequence[int]] = 250,

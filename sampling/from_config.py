@@ -46,7 +46,9 @@ class Sampling:
     opts        -- the call's keywords (cfg and the family's per-call options);
     settings    -- the options the sampler is built with;
     make        -- policy (None: the baseline) -> sampler; a policy that does not fit fails here;
-    tokens      -- aux -> per-scale token ids [[B, n_s], ...] (VAR), else None.
+    tokens      -- aux -> per-scale token ids [[B, n_s], ...] (VAR), else None;
+    load        -- (ckpt, key) -> params: from `ckpt` (a converted checkpoint or a training
+                   workdir), else random (the official initialisation) drawn with `key`.
   """
   name: str
   num_classes: int
@@ -55,6 +57,7 @@ class Sampling:
   settings: dict
   make: Callable[..., Any]
   tokens: Callable[[dict], Optional[list]]
+  load: Callable[[Optional[str], Array], dict]
 
   @property
   def options(self) -> dict:
@@ -77,8 +80,10 @@ def _var(config, o: dict) -> Sampling:
   s = config.sample
   opts = dict(cfg=_pick(o, 'cfg', s.cfg), top_k=_pick(o, 'top_k', s.top_k), top_p=_pick(o, 'top_p', s.top_p))
   check_var_sample_args(var_cfg, _NO_LABEL, **opts)
+  load = lambda ckpt, key: (load_var_params(var_cfg, vq_cfg, ckpt) if ckpt else
+                            init_var_params(var_cfg, vq_cfg, key))
   return Sampling('var', var_cfg.num_classes, ('var', 'vqvae'), opts, {},
-                  lambda policy=None: make_var_sampler(var_cfg, vq_cfg, policy), lambda aux: list(aux['indices']))
+                  lambda policy=None: make_var_sampler(var_cfg, vq_cfg, policy), lambda aux: list(aux['indices']), load)
 
 
 def _mar(config, o: dict) -> Sampling:
@@ -90,7 +95,9 @@ def _mar(config, o: dict) -> Sampling:
   guided = opts['cfg'] != 1.0
   check_mar_sample_args(mar_cfg, _NO_LABEL, guided=guided, **opts)
   make = lambda policy=None: make_mar_sampler(mar_cfg, vae_cfg, guided=guided, policy=policy, **settings)
-  return Sampling('mar', mar_cfg.class_num, ('mar', 'vae'), opts, settings, make, lambda aux: None)
+  load = lambda ckpt, key: (load_mar_params(mar_cfg, vae_cfg, ckpt) if ckpt else
+                            init_mar_params(mar_cfg, vae_cfg, key))
+  return Sampling('mar', mar_cfg.class_num, ('mar', 'vae'), opts, settings, make, lambda aux: None, load)
 
 
 def _ecar(config, o: dict) -> Sampling:
@@ -98,7 +105,8 @@ def _ecar(config, o: dict) -> Sampling:
   opts, settings = dict(cfg=_pick(o, 'cfg', config.sample.cfg)), dict(num_steps=_pick(o, 'num_steps', config.sample.num_steps))
   check_ecar_sample_args(cfg, _NO_LABEL, **opts)
   make = lambda policy=None: make_ecar_sampler(cfg, policy=policy, **settings)
-  return Sampling('ecar', cfg.num_classes, ('ecar', 'vae'), opts, settings, make, lambda aux: None)
+  load = lambda ckpt, key: ecar_params(cfg, ckpt, config.vae_ckpt, key)
+  return Sampling('ecar', cfg.num_classes, ('ecar', 'vae'), opts, settings, make, lambda aux: None, load)
 
 
 _BUILDERS = {'var': _var, 'mar': _mar, 'ecar': _ecar}
@@ -120,22 +128,10 @@ def sampling_from_config(config, overrides: Optional[dict] = None) -> Sampling:
     raise ValueError(f'bad config.sample (or its command-line override): {e}') from e
 
 
-def _params(config, ckpt: Optional[str], key: Array) -> dict:
-  """The parameters {model: ..., tokenizer: ...}: from `ckpt` (a converted checkpoint or a training
-  workdir), else random (the official initialisation) drawn with `key`."""
-  if config.family == 'var':
-    var_cfg, vq_cfg = var_configs(config)
-    return load_var_params(var_cfg, vq_cfg, ckpt) if ckpt else init_var_params(var_cfg, vq_cfg, key)
-  if config.family == 'mar':
-    mar_cfg, vae_cfg = mar_configs(config)
-    return load_mar_params(mar_cfg, vae_cfg, ckpt) if ckpt else init_mar_params(mar_cfg, vae_cfg, key)
-  return ecar_params(ecar_config(config), ckpt, config.vae_ckpt, key)
-
-
 def family_from_config(config, ckpt: Optional[str] = None, overrides: Optional[dict] = None,
                        key: Optional[Array] = None) -> Family:
   """`sampling_from_config(config, overrides)` with the parameters of `ckpt` (None: random weights,
   drawn with `key`, default key(0))."""
   s = sampling_from_config(config, overrides)
-  params = _params(config, ckpt, jax.random.key(0) if key is None else key)
+  params = s.load(ckpt, jax.random.key(0) if key is None else key)
   return Family(**{f.name: getattr(s, f.name) for f in dataclasses.fields(Sampling)}, params=params)

@@ -1,9 +1,11 @@
 """accel.compose: the composite runs each policy on its own state; plans and selections combine or fail."""
+import re
+
 import jax
 import numpy as np
 import pytest
 
-from accel import FastVAR, compose, policy_from_spec
+from accel import ECARConditionCache, FastVAR, LazyMAR, compose, policy_from_spec
 from accel.compose import Composed, merge_plans
 from var_models.var.policy import ScalePolicy, Step
 from var_models.var.sampler import make_sampler
@@ -47,10 +49,51 @@ def test_compose_checks_its_arguments_and_each_policy_against_the_schedule(tiny_
   var_cfg, vq_cfg, _ = tiny_var
   with pytest.raises(ValueError, match='at least two policies'):
     compose(FastVAR(ratios=((4, 1.0),)))
-  with pytest.raises(ValueError, match='next-scale policies'):
+  with pytest.raises(ValueError, match='got object, not a next-scale policy'):
     compose(FastVAR(ratios=((4, 1.0),)), object())
   with pytest.raises(ValueError, match='FastVAR.blocks: block 5 is past the depth 2'):
     make_sampler(var_cfg, vq_cfg, compose(ScalePolicy(), FastVAR(ratios=((4, 0.5),), cache_at=3, blocks=(5,))))
+
+
+def test_policies_of_other_families_are_refused_naming_the_family():
+  skip = FastVAR(ratios=((4, 1.0),))
+  message = ('compose combines next-scale (VAR) policies; got LazyMAR, a MAR policy '
+             '(MAR and E-CAR have one accelerator each: nothing to compose)')
+  with pytest.raises(ValueError, match=re.escape(message)):
+    compose(skip, LazyMAR.preset('official'))
+  with pytest.raises(ValueError, match='got ECARConditionCache, an E-CAR policy'):
+    compose(ECARConditionCache(interval=2), skip)
+
+
+class _CondOnly(ScalePolicy):
+  """Guides with the conditional half as both halves; its state counts the calls."""
+
+  def __init__(self):
+    self.seen = []   # the state at each after_step, while tracing
+
+  def init_state(self, batch):
+    return 0
+
+  def guide(self, site, halves, state):
+    cond, _ = halves.both()
+    return (cond, cond), state + 1
+
+  def after_step(self, site, f_hat, state):
+    self.seen.append(state)
+    return state
+
+
+def test_one_policy_may_guide_on_its_own_slot_two_are_an_error(tiny_var):
+  var_cfg, vq_cfg, params = tiny_var
+  guider, skip = _CondOnly(), FastVAR(ratios=((4, 1.0),))
+  args = (params, jax.random.key(0), LABELS)
+  _, aux = make_sampler(var_cfg, vq_cfg, compose(skip, guider), return_logits=True)(*args, cfg=1.5, top_k=1)
+  _, plain = make_sampler(var_cfg, vq_cfg, skip, return_logits=True)(*args, cfg=0.0, top_k=1)
+  for got, want in zip(aux['logits'], plain['logits'], strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert guider.seen == [1, 2, 3]   # scale 3 skipped
+  with pytest.raises(ValueError, match=r'at most one policy may make the guided halves .*; _CondOnly, _CondOnly do'):
+    compose(guider, skip, _CondOnly())
 
 
 def test_specs_name_presets_and_compose_with_plus():

@@ -13,10 +13,17 @@ from accel.fastvar import pts_scores
 from var_models.nn.attention import KVCache
 from var_models.nn.blocks import AdaLNSelfAttn, modulate, trunc_normal
 from var_models.tokenizers.vqvae import VQVAE
+from var_models.var.model import VARConfig
+from var_models.var.policy import Site, var_binding
 from var_models.var.sampler import make_sampler
 from var_models.var.schedules import INFINITY_1024, VAR_256
 
 LABELS = np.array([1, 7, 3], np.int32)
+
+
+def _binding(sched, depth):
+  """What the sampler of a depth-block VAR on sched binds its policy to."""
+  return var_binding(VARConfig(depth=depth, patch_nums=sched.patch_nums))
 
 
 def test_keep_count_is_l_minus_int_l_times_ratio():
@@ -172,15 +179,15 @@ def test_bad_settings_are_errors_naming_the_field_before_anything_compiles(tiny_
 
 
 def test_presets_hold_the_published_settings():
-  inf = FastVAR.preset('infinity_2b').bind(INFINITY_1024, 32)
+  inf = FastVAR.preset('infinity_2b').bind(_binding(INFINITY_1024, 32))
   steps = inf.plan(INFINITY_1024)
   assert len(steps) == 11                                          # 48 and 64 are skipped
-  hooks = inf.block_hooks(9, steps[9], 32)                          # the 32 x 32 scale
+  hooks = inf.block_hooks(Site(9, steps[9]), 32)                   # the 32 x 32 scale
   assert [i for i, h in enumerate(hooks) if h is not None] == list(range(3, 28))
-  assert hooks[3].keep == 615 and inf.block_hooks(10, steps[10], 32)[27].keep == 800
-  assert all(h.keep is None for h in inf.block_hooks(8, steps[8], 32)[3:28])   # 24 x 24 caches
-  hart = FastVAR.preset('hart').bind(INFINITY_1024, 16)
+  assert hooks[3].keep == 615 and inf.block_hooks(Site(10, steps[10]), 32)[27].keep == 800
+  assert all(h.keep is None for h in inf.block_hooks(Site(8, steps[8]), 32)[3:28])   # 24 x 24 caches
+  hart = FastVAR.preset('hart').bind(_binding(INFINITY_1024, 16))
   assert len(hart.plan(INFINITY_1024)) == 13 and 'our mapping' in hart.source
-  assert hart.block_hooks(12, hart.plan(INFINITY_1024)[12], 16)[15].keep == 1024
-  var256 = FastVAR.preset('var256').bind(VAR_256, 30)
+  assert hart.block_hooks(Site(12, hart.plan(INFINITY_1024)[12]), 16)[15].keep == 1024
+  var256 = FastVAR.preset('var256').bind(_binding(VAR_256, 30))
   assert len(var256.plan(VAR_256)) == 10 and var256.source.startswith('var256: ours')

@@ -17,6 +17,8 @@ from var_models.mar.gaussian_diffusion import create_diffusion, fold_runs
 from var_models.mar.model import diffloss_net
 from var_models.mar.policy import IterPlan
 from var_models.mar.sampler import make_mar_sampler
+from var_models.mar.schedule import MARSchedule, mask_schedule
+from var_models.nn.policy import Binding, Halves
 from test_mar_sampler import LABELS, MAR_CFG, VAE_CFG, _params
 
 CFG = dataclasses.replace(MAR_CFG, decoder_depth=3)
@@ -24,6 +26,11 @@ NUM_ITER = 6
 TINY = dict(refresh_start=2, refresh_every=3, ratios=(1.0, 1.0, 1.0, 0.5, 0.2, 0.2), similarity_block=1,
             extra_tokens=1, head_interval=3, head_skip=(1,))
 OFF = dict(encoder=False, decoder=False, condition=False, head=False)
+
+
+def _binding(cfg, num_iter, diffusion_steps):
+  """What a guided sampler of `num_iter` iterations and `diffusion_steps` head steps binds its policy to."""
+  return Binding(cfg, MARSchedule(mask_schedule(cfg.seq_len, num_iter), diffusion_steps), guided=True)
 
 
 @pytest.fixture(scope='module')
@@ -93,7 +100,7 @@ def test_kept_positions_take_the_lowest_scores_ties_to_the_lower_position_padded
 
 def test_official_refreshes_of_64_iterations_and_the_scaled_schedule_of_32():
   assert [s for s in range(64) if is_refresh(s, 5, 9)] == [0, 1, 2, 3, 4, 5, 14, 23, 32, 41, 50, 59]
-  official = LazyMAR.preset('official').bind(mar_lib.base(), 64, True, 100)
+  official = LazyMAR.preset('official').bind(_binding(mar_lib.base(), 64, 100))
   assert official.bound.refresh == tuple(is_refresh(s, 5, 9) for s in range(64))
   assert official.ratios == OFFICIAL_RATIOS and len(OFFICIAL_RATIOS) == 64
   scaled = LazyMAR.preset('scaled').scaled_to(32)
@@ -103,7 +110,7 @@ def test_official_refreshes_of_64_iterations_and_the_scaled_schedule_of_32():
 
 
 def test_official_head_cache_steps_and_the_blocks_each_step_runs():
-  cache = LazyMAR.preset('official').bind(mar_lib.base(), 64, True, 100).head_cache(IterPlan())
+  cache = LazyMAR.preset('official').bind(_binding(mar_lib.base(), 64, 100)).head_cache(IterPlan())
   kinds = cache.kinds(100)
   full = sorted(99 - j for j, k in enumerate(kinds) if k == 'full')
   assert full == [0, 7, 14, 21, 28, 35, 42, 49, 56, 63, 70, 77, 84, 91, 98, 99]
@@ -134,7 +141,7 @@ def test_cache_free_stepped_loop_equals_the_guided_sampler():
 def test_cached_head_step_right_after_a_full_one_on_the_same_input_repeats_it():
   """x + cached delta and x + gate * cached MLP output are the full step's own values."""
   net, head, z = _head_inputs()
-  cache = LazyMAR(**TINY).bind(CFG, NUM_ITER, True, 10).head_cache(IterPlan())
+  cache = LazyMAR(**TINY).bind(_binding(CFG, NUM_ITER, 10)).head_cache(IterPlan())
   x = jax.random.normal(jax.random.key(2), (3, net.in_channels))
   t = jnp.full((3,), 500)
   state = cache.init_state(3, net.model_channels, net.num_res_blocks, net.in_channels)
@@ -153,16 +160,19 @@ def test_cached_head_step_right_after_a_full_one_on_the_same_input_repeats_it():
 
 
 def test_condition_cache_keeps_uncond_minus_cond_and_adds_it_to_the_conditional_half():
-  policy = LazyMAR(**TINY, **{**OFF, 'condition': True}).bind(CFG, NUM_ITER, True, 10)
-  state = policy.init_state(2, True)
+  policy = LazyMAR(**TINY, **{**OFF, 'condition': True}).bind(_binding(CFG, NUM_ITER, 10))
+  state = policy.init_state(2)
   x = jax.random.normal(jax.random.key(0), (4, 20, CFG.decoder_embed_dim))
   state['it'] = {'pred': state['prev_pred']}
-  _, state = policy.guidance(IterPlan(tag='full'), x, state)
+  halves, state = policy.guide(IterPlan(tag='full'), Halves(both=lambda: (x[:2], x[2:]), cond=None), state)
+  np.testing.assert_array_equal(jnp.concatenate(halves), x)
   np.testing.assert_array_equal(state['diff'], x[2:] - x[:2])
   state['it'] = {'pred': state['prev_pred']}
   cond = jax.random.normal(jax.random.key(1), (2, 20, CFG.decoder_embed_dim))
-  out, _ = policy.guidance(IterPlan(uncond=False, tag=('cached', None)), cond, state)
-  np.testing.assert_array_equal(out, jnp.concatenate([cond, cond + (x[2:] - x[:2])]))
+  (got_cond, uncond), _ = policy.guide(IterPlan(uncond=False, tag=('cached', None)),
+                                       Halves(both=None, cond=lambda: cond), state)
+  np.testing.assert_array_equal(got_cond, cond)
+  np.testing.assert_array_equal(uncond, cond + (x[2:] - x[:2]))
 
 
 @pytest.mark.parametrize('settings,num_iter,guided,message', [
@@ -170,6 +180,7 @@ def test_condition_cache_keeps_uncond_minus_cond_and_adds_it_to_the_conditional_
     (dict(TINY, similarity_block=3), NUM_ITER, True, 'LazyMAR.similarity_block: block 3 is past'),
     (dict(TINY, head_skip=(1, 2)), NUM_ITER, True, 'LazyMAR.head_skip: block 2 is past'),
     (dict(TINY), NUM_ITER, False, 'LazyMAR.guided'),
+    (dict(TINY, **OFF), NUM_ITER, False, 'LazyMAR.guided'),
 ])
 def test_settings_that_do_not_fit_the_sampler_fail_when_it_is_made(settings, num_iter, guided, message):
   with pytest.raises(ValueError, match=message):

@@ -13,8 +13,9 @@ from var_models.flop_count import flops
 from var_models.mar import model as mar_lib
 from var_models.mar.diffloss import init_diffloss, merged_adaln
 from var_models.mar.flops import sampling_flops
-from var_models.mar.sampler import mask_schedule
+from var_models.mar.schedule import MARSchedule, mask_schedule
 from var_models.nn.timestep import FREQ_DIM
+from var_models.nn.policy import Binding
 from var_models.tokenizers.autoencoder_kl import KL16, AutoencoderKLConfig
 
 TINY_VAE = AutoencoderKLConfig(embed_dim=4, z_channels=4, ch=32, ch_mult=(1, 1, 1, 1), num_res_blocks=1)
@@ -52,7 +53,8 @@ def test_cached_iterations_against_a_hand_count():
   policy = LazyMAR(refresh_start=2, refresh_every=3, ratios=(1.0, 1.0, 1.0, 0.5, 0.2, 0.2), similarity_block=1,
                    extra_tokens=1, head_interval=3, head_skip=(1,))
   got = lazymar_sampling_flops(cfg, TINY_VAE, policy, num_iter=6, num_steps=5)['transformer']
-  bound, sched = policy.bind(cfg, 6, True, 5).bound, mask_schedule(cfg.seq_len, 6)
+  sched = mask_schedule(cfg.seq_len, 6)
+  bound = policy.bind(Binding(cfg, MARSchedule(sched, 5), guided=True)).bound
   # 16 tokens predicted 1, 2, 2, 3, 4, 4 per iteration; L = 20 positions; kept at cached iterations 3 and 4:
   # max(3 + 2 + 1, int(20 * 0.5)) = 10 and max(4 + 3 + 1, int(20 * 0.2)) = 8.
   assert list(sched.n_pred) == [1, 2, 2, 3, 4, 4]

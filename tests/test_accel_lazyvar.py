@@ -5,7 +5,14 @@ import numpy as np
 import pytest
 
 from accel.lazyvar import PRESETS, LazyVAR, cumulative_offsets, kept_count, retained, update_index
+from var_models.var.model import VARConfig
+from var_models.var.policy import Site, var_binding
 from var_models.var.schedules import INFINITY_1024, ScaleSchedule
+
+
+def _binding(sched, depth):
+  """What the sampler of a depth-block VAR on sched binds its policy to."""
+  return var_binding(VARConfig(depth=depth, patch_nums=sched.patch_nums))
 
 
 def test_update_index_is_one_minus_cosine_per_position():
@@ -44,12 +51,12 @@ def test_presets_bind_to_their_schedules():
   for name in PRESETS:
     policy = LazyVAR.preset(name)
     sched = ScaleSchedule((1, 2, 3, 4, 5, 6, 8, 10, 13, 16)) if name == 'var256' else INFINITY_1024
-    bound = policy.bind(sched, depth=4)
+    bound = policy.bind(_binding(sched, 4))
     steps = bound.plan(sched)
     assert [si for s in steps for si in s.scales] == list(range(sched.num_scales))
-  group = LazyVAR.preset('infinity_2b').bind(INFINITY_1024, 4).plan(INFINITY_1024)[-1]
+  group = LazyVAR.preset('infinity_2b').bind(_binding(INFINITY_1024, 4)).plan(INFINITY_1024)[-1]
   assert group.scales == (9, 10, 11, 12)
-  assert LazyVAR.preset('no_pgd').bind(INFINITY_1024, 4).plan(INFINITY_1024)[-1].scales == (12,)
+  assert LazyVAR.preset('no_pgd').bind(_binding(INFINITY_1024, 4)).plan(INFINITY_1024)[-1].scales == (12,)
 
 
 @pytest.mark.parametrize('settings,match', [
@@ -64,7 +71,7 @@ def test_bad_settings_are_errors_naming_the_field(settings, match):
 
 def test_a_group_that_does_not_reach_the_last_scale_is_an_error():
   with pytest.raises(ValueError, match='LazyVAR.retention: 2 scales from start=9 must reach the last'):
-    LazyVAR(start=9, retention=(0.2, 0.1)).bind(INFINITY_1024, 4)
+    LazyVAR(start=9, retention=(0.2, 0.1)).bind(_binding(INFINITY_1024, 4))
 
 
 
@@ -103,12 +110,12 @@ def test_pruned_tokens_have_no_query_and_no_keys_in_any_layer(tiny_var, sample_t
 def test_the_group_takes_disjoint_positions_by_the_index_before_it():
   """Scale 2 (3x3) and 3 (4x4) of one group share f_hat's update index; with the 'area' reading
   scale 3 keeps the 4 highest, scale 2 the ranks after the 25 % the larger scale claims."""
-  policy = LazyVAR(start=2, retention=(0.5, 0.25)).bind(ScaleSchedule((1, 2, 3, 4)), 2)
+  policy = LazyVAR(start=2, retention=(0.5, 0.25)).bind(_binding(ScaleSchedule((1, 2, 3, 4)), 2))
   f_prev = jax.random.normal(jax.random.key(0), (1, 4, 4, 8))
   f_now = f_prev + jnp.linspace(0, 3, 16).reshape(1, 4, 4, 1) * jax.random.normal(jax.random.key(1), (1, 4, 4, 8))
   state = {'f_prev': f_prev, 'f_now': f_now}
   step = policy.plan(ScaleSchedule((1, 2, 3, 4)))[-1]
-  sel, _ = policy.select_input(2, step, jnp.zeros((2, 25, 4)), state)
+  sel, _ = policy.select_input(Site(2, step), jnp.zeros((2, 25, 4)), state)
   u = update_index(f_prev, f_now)
   np.testing.assert_array_equal(sel[:, 5:] - 9, retained(u, 4, 4, 0).repeat(2, axis=0))
   np.testing.assert_array_equal(sel[:, :5], retained(u, 3, 5, 2).repeat(2, axis=0))

@@ -13,9 +13,16 @@ import pallas_kernels as pk
 from accel.sparvar import (PRESETS, CS4AHooks, SparVAR, add_upsampled, csla_layout, dense_with_column_sums,
                            group_map, key_map, with_sink)
 from pallas_kernels.layout import EMPTY, PARTIAL
+from var_models.var.model import VARConfig
+from var_models.var.policy import var_binding
 from var_models.var.schedules import INFINITY_1024, ScaleSchedule
 
 PNS = (1, 2, 3, 4, 6, 8)
+
+
+def _binding(sched, depth):
+  """What the sampler of a depth-block VAR on sched binds its policy to."""
+  return var_binding(VARConfig(depth=depth, patch_nums=sched.patch_nums))
 
 
 def test_key_map_moves_each_key_by_the_scale_offset_and_floors_its_grid_position():
@@ -108,7 +115,7 @@ def _numpy_cs4a(q_s, k_s, v_s, q_k, k_k, v_k, policy, s, kk, scale):
 
 @pytest.mark.parametrize('impl', ['reference', 'interpret'])
 def test_cs4a_hooks_compute_the_papers_equations(impl):
-  policy = SparVAR(decision=4, sparse=(6, 8), group=16, sink_scales=2, topk=0.3).bind(ScaleSchedule(PNS), 2)
+  policy = SparVAR(decision=4, sparse=(6, 8), group=16, sink_scales=2, topk=0.3).bind(_binding(ScaleSchedule(PNS), 2))
   s, kk = PNS.index(4), PNS.index(8)
   cap = sum(p * p for p in PNS)
   keys = jax.random.split(jax.random.key(1), 6)
@@ -129,7 +136,7 @@ def test_cs4a_hooks_compute_the_papers_equations(impl):
 
 def test_selecting_every_key_at_the_decision_scale_leaves_no_o_cache():
   """O_cache = O_dense - attention over the selected keys: with every key selected it vanishes."""
-  policy = SparVAR(decision=4, sparse=(6,), group=16, sink_scales=2, topk=1.0).bind(ScaleSchedule(PNS), 1)
+  policy = SparVAR(decision=4, sparse=(6,), group=16, sink_scales=2, topk=1.0).bind(_binding(ScaleSchedule(PNS), 1))
   keys = jax.random.split(jax.random.key(2), 3)
   q = jax.random.normal(keys[0], (2, 16, 2, 16))
   k, v = (jax.random.normal(kk, (2, 130, 2, 16)) for kk in keys[1:])
@@ -141,7 +148,7 @@ def test_selecting_every_key_at_the_decision_scale_leaves_no_o_cache():
 
 
 def test_without_o_cache_the_decision_scale_keeps_only_the_top_keys():
-  policy = SparVAR(decision=4, sparse=(6,), group=16, sink_scales=2, cache=False).bind(ScaleSchedule(PNS), 1)
+  policy = SparVAR(decision=4, sparse=(6,), group=16, sink_scales=2, cache=False).bind(_binding(ScaleSchedule(PNS), 1))
   q, k, v = (jax.random.normal(kk, (2, n, 2, 16)) for kk, n in zip(jax.random.split(jax.random.key(3), 3),
                                                                     (16, 130, 130)))
   _, state = CS4AHooks('0', policy, PNS.index(4)).attend(q, k, v, mask=None, kv_len=30, scale=0.25,
@@ -302,9 +309,9 @@ def test_the_sparse_attention_calls_read_the_kv_buffer_in_place(sample_tiny):
     (lambda: SparVAR(decision=40, sparse=(48,), group=100), 'SparVAR.group'),
     (lambda: SparVAR(decision=40, sparse=(48,), cs4a_layers=1.5), 'SparVAR.cs4a_layers'),
     (lambda: SparVAR(decision=40, sparse=(48,), cache_upsample='bicubic'), 'SparVAR.cache_upsample'),
-    (lambda: SparVAR(decision=41, sparse=(48,)).bind(INFINITY_1024, 4), r'SparVAR.decision: scales \[41\]'),
-    (lambda: SparVAR(decision=2, sparse=(4,), sink_scales=3).bind(INFINITY_1024, 4), 'SparVAR.sink_scales'),
-    (lambda: SparVAR(decision=40, sparse=(48,), windows=(3, 0, 7)).bind(INFINITY_1024, 4), 'windows'),
+    (lambda: SparVAR(decision=41, sparse=(48,)).bind(_binding(INFINITY_1024, 4)), r'SparVAR.decision: scales \[41\]'),
+    (lambda: SparVAR(decision=2, sparse=(4,), sink_scales=3).bind(_binding(INFINITY_1024, 4)), 'SparVAR.sink_scales'),
+    (lambda: SparVAR(decision=40, sparse=(48,), windows=(3, 0, 7)).bind(_binding(INFINITY_1024, 4)), 'windows'),
 ])
 def test_bad_settings_are_errors_naming_the_field_before_anything_compiles(make, message):
   with pytest.raises(ValueError, match=message):
@@ -315,8 +322,8 @@ def test_presets_bind_to_their_schedules_with_the_papers_counts():
   var256 = ScaleSchedule((1, 2, 3, 4, 5, 6, 8, 10, 13, 16))
   for name in PRESETS:
     sched = var256 if name.startswith('var256') else INFINITY_1024
-    SparVAR.preset(name).bind(sched, 30)
-  p = SparVAR.preset('infinity_2b').bind(INFINITY_1024, 32)
+    SparVAR.preset(name).bind(_binding(sched, 30))
+  p = SparVAR.preset('infinity_2b').bind(_binding(INFINITY_1024, 32))
   assert (p.sink_len, p.top_count, p.cs4a_count(32), p.cs4a_count(40)) == (121, 824, 19, 24)
-  assert SparVAR.preset('skip2').bind(INFINITY_1024, 32).top_count == int(0.2 * 2521)
+  assert SparVAR.preset('skip2').bind(_binding(INFINITY_1024, 32)).top_count == int(0.2 * 2521)
   assert dataclasses.replace(p, cs4a_layers=1.0).cs4a_count(32) == 32

@@ -74,10 +74,12 @@ def test_same_key_same_images_other_key_other_images(params, sampled):
 
 
 class _CondOnly(ecar.StagePolicy):
-  """Runs only the conditional half of the denoiser: CFG at scale 1 by another route."""
+  """Runs only the conditional half of the denoiser and gives it as both halves: CFG at scale 1 by
+  another route."""
 
-  def guided_velocity(self, stage, step, x, denoise, guidance, state):
-    return denoise.cond(x), state
+  def guide(self, site, halves, state):
+    v_c = halves.cond()
+    return (v_c, v_c), state
 
 
 def test_merged_adaln_gives_the_per_block_velocity():

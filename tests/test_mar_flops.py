@@ -7,7 +7,7 @@ import pytest
 from var_models.flop_count import flops
 from var_models.mar import model as mar_lib
 from var_models.mar.flops import sampling_flops
-from var_models.mar.sampler import mask_schedule
+from var_models.mar.schedule import mask_schedule
 from var_models.tokenizers.autoencoder_kl import KL16, AutoencoderKLConfig
 
 TINY_VAE = AutoencoderKLConfig(embed_dim=4, z_channels=4, ch=32, ch_mult=(1, 1, 1, 1), num_res_blocks=1)

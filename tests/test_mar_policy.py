@@ -7,6 +7,7 @@ import pytest
 
 from var_models.mar.policy import IterPlan, MARPolicy
 from var_models.mar.sampler import make_mar_sampler
+from var_models.mar.schedule import mask_schedule
 from var_models.nn import tokens as tok
 from var_models.nn.blocks import BlockHooks
 from test_mar_sampler import LABELS, MAR_CFG, VAE_CFG, _params
@@ -33,19 +34,18 @@ class _SegmentedNeutral(MARPolicy):
   def plan(self, num_iter):
     return tuple(IterPlan(tag=i % 3) for i in range(num_iter))
 
-  def init_state(self, batch, guided):
+  def init_state(self, batch):
     return {'prev': jnp.int32(-2), 'cur': jnp.int32(-1)}
 
   def begin(self, plan, info, state):
     return {'prev': state['cur'], 'cur': info.step}
 
-  def guidance(self, plan, z, state):
-    return jnp.where(state['prev'] == state['cur'] - 1, z, jnp.nan), state
+  def guide(self, site, halves, state):
+    seen = state['prev'] == state['cur'] - 1
+    return tuple(jnp.where(seen, h, jnp.nan) for h in halves.both()), state
 
-  def encoder_hooks(self, plan, depth):
-    return [BlockHooks() for _ in range(depth)]
-
-  def decoder_hooks(self, plan, depth):
+  def block_hooks(self, site, depth):
+    assert site.stack in ('encoder', 'decoder') and site.plan.tag in (0, 1, 2)
     return [BlockHooks() for _ in range(depth)]
 
 
@@ -72,13 +72,21 @@ class _KVCacheHooks(BlockHooks):
 
 
 class _DecoderKVCache(MARPolicy):
-  def init_state(self, batch, guided):
+  """Caches the K/V of every decoder row: both CFG halves when bound to a guided sampler."""
+
+  def __init__(self, rows_per_sample=None):
+    self.rows_per_sample = rows_per_sample
+
+  def bind(self, binding):
+    return _DecoderKVCache(2 if binding.guided else 1)
+
+  def init_state(self, batch):
     c = MAR_CFG
-    shape = (c.decoder_depth, (2 if guided else 1) * batch, c.buffer_size + c.seq_len, c.decoder_embed_dim)
+    shape = (c.decoder_depth, self.rows_per_sample * batch, c.buffer_size + c.seq_len, c.decoder_embed_dim)
     return {'k': jnp.zeros(shape), 'v': jnp.zeros(shape)}
 
-  def decoder_hooks(self, plan, depth):
-    return [_KVCacheHooks(i) for i in range(depth)]
+  def block_hooks(self, site, depth):
+    return [_KVCacheHooks(i) for i in range(depth)] if site.stack == 'decoder' else None
 
 
 def test_tokens_forwarded_by_index_attending_through_a_kv_cache_equal_the_baseline(params, baseline_tokens):
@@ -93,8 +101,9 @@ class _CondOnly(MARPolicy):
   def plan(self, num_iter):
     return (IterPlan(uncond=False),) * num_iter
 
-  def guidance(self, plan, z, state):
-    return jnp.concatenate([z, z]), state
+  def guide(self, site, halves, state):
+    cond = halves.cond()
+    return (cond, cond), state
 
 
 def test_skipped_unconditional_half_comes_from_the_policy(params):
@@ -111,7 +120,7 @@ def test_a_policy_that_skips_the_unconditional_half_must_say_how_to_make_it(para
   class Skips(MARPolicy):
     def plan(self, num_iter):
       return (IterPlan(uncond=False),) * num_iter
-  with pytest.raises(NotImplementedError, match='override `guidance`'):
+  with pytest.raises(ValueError, match='Skips: only the conditional half.*override `guide`'):
     make_mar_sampler(MAR_CFG, VAE_CFG, num_iter=NUM_ITER, policy=Skips())(params, jax.random.key(0), LABELS, **OPTS)
 
 
@@ -121,3 +130,18 @@ def test_a_plan_of_the_wrong_length_is_rejected():
       return (IterPlan(),) * (num_iter - 1)
   with pytest.raises(ValueError, match='one IterPlan per iteration'):
     make_mar_sampler(MAR_CFG, VAE_CFG, num_iter=NUM_ITER, policy=Short())
+
+
+def test_the_policy_is_bound_to_the_config_the_sampler_schedule_and_guidance():
+  seen = []
+
+  class Binds(MARPolicy):
+    def bind(self, binding):
+      seen.append(binding)
+      return self
+  sample = make_mar_sampler(MAR_CFG, VAE_CFG, num_iter=NUM_ITER, guided=False, num_diffusion_steps=7,
+                            policy=Binds())
+  (binding,) = seen
+  assert binding.model is MAR_CFG and binding.schedule is sample.schedule and not binding.guided
+  assert binding.schedule.num_iter == NUM_ITER and binding.schedule.diffusion_steps == 7
+  np.testing.assert_array_equal(binding.schedule.mask.n_pred, mask_schedule(MAR_CFG.seq_len, NUM_ITER).n_pred)

@@ -10,7 +10,8 @@ from var_models.mar import model as mar_lib
 from var_models.mar.diffloss import diffloss_sample
 from var_models.mar.gaussian_diffusion import create_diffusion
 from var_models.mar.model import MAR, diffloss_net, keep_indices
-from var_models.mar.sampler import make_mar_sampler, mask_schedule
+from var_models.mar.sampler import make_mar_sampler
+from var_models.mar.schedule import mask_schedule
 from var_models.tokenizers.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
 
 MAR_CFG = mar_lib.tiny()

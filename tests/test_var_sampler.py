@@ -111,7 +111,7 @@ def test_top_k_one_is_greedy(tiny_var):
 class _NeutralHooks(ScalePolicy):
   """Hooks at every block that forward everything: must change nothing in the program."""
 
-  def block_hooks(self, step_idx, step, depth):
+  def block_hooks(self, site, depth):
     return [BlockHooks() for _ in range(depth)]
 
 
@@ -124,11 +124,11 @@ class _KeepAllByIndex(ScalePolicy):
       b, n = x.shape[:2]
       return jnp.broadcast_to(jnp.arange(n)[::-1], (b, n)), state
 
-  def select_input(self, step_idx, step, x, state):
+  def select_input(self, site, x, state):
     b, n = x.shape[:2]
     return jnp.broadcast_to(jnp.arange(n), (b, n)), state
 
-  def block_hooks(self, step_idx, step, depth):
+  def block_hooks(self, site, depth):
     return [self._Hooks() for _ in range(depth)]
 
 
@@ -147,6 +147,35 @@ def test_policy_keeping_every_token_equals_baseline(tiny_var):
   for x, y in zip(aux_b['indices'], aux_k['indices']):
     np.testing.assert_array_equal(x, y)
   np.testing.assert_allclose(base, kept, rtol=1e-6, atol=1e-6)
+
+
+class _CondOnly(ScalePolicy):
+  """Guides with the conditional half as both halves (no guidance); its state counts the calls."""
+
+  def __init__(self):
+    self.seen = []   # (step index, state) at each after_step, while tracing
+
+  def init_state(self, batch):
+    return 0
+
+  def guide(self, site, halves, state):
+    cond, _ = halves.both()
+    return (cond, cond), state + 1
+
+  def after_step(self, site, f_hat, state):
+    self.seen.append((site.index, state))
+    return state
+
+
+def test_the_policys_guide_gives_the_halves_the_sampler_mixes_and_its_state_goes_on(tiny_var):
+  var_cfg, vq_cfg, params = tiny_var
+  policy = _CondOnly()
+  args = (params, jax.random.key(0), LABELS)
+  _, aux = make_sampler(var_cfg, vq_cfg, policy, return_logits=True)(*args, cfg=1.5, top_k=1)
+  _, plain = make_sampler(var_cfg, vq_cfg, return_logits=True)(*args, cfg=0.0, top_k=1)
+  for got, want in zip(aux['logits'], plain['logits'], strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert policy.seen == [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
 class _TwoScalesAtOnce(ScalePolicy):

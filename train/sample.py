@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 import jax
 
-from sampling import family_from_config
+from sampling import sampling_from_config
 from sampling import flags as sf
 from train import grid as grid_lib
 from var_models.nn.checks import check_labels
@@ -48,15 +48,15 @@ def main(argv):
   batch = sf.batch_size(config.sample.batch_size)
   key = jax.random.key(sf.pick(sf.SEED, config.sample.seed))
   pkey, key = jax.random.split(key)
-  family = family_from_config(config, sf.CKPT.value, sf.overrides(config.family, _CFG.value), pkey)
-  labels = _labels(family.num_classes, batch)
-  check_labels(labels, family.num_classes)
-  sample = family.make()
+  sampling = sampling_from_config(config, sf.overrides(config.family, _CFG.value))
+  labels = _labels(sampling.num_classes, batch)
+  check_labels(labels, sampling.num_classes)   # before the parameters load
+  params, sample = sampling.load(sf.CKPT.value, pkey), sampling.make()
   images = []
   chunks = [labels[i:i + batch] for i in range(0, len(labels), batch)]
   for i, chunk in enumerate(tqdm(chunks, desc='sampling', unit='batch')):
     # One shape for every chunk; the sampler checks the labels before compiling.
-    out, _ = sample(family.params, jax.random.fold_in(key, i), np.resize(chunk, batch), **family.opts)
+    out, _ = sample(params, jax.random.fold_in(key, i), np.resize(chunk, batch), **sampling.opts)
     images.append(np.asarray(out)[:len(chunk)])
   path = grid_lib.save_grid(np.concatenate(images), _OUT.value)
   print(f'wrote {len(labels)} samples to {path}')

@@ -4,5 +4,6 @@ the compiled sampler and the `MARPolicy` hooks LazyMAR implements. Imports `var_
 """
 from var_models.mar.diffloss import DiffLossConfig
 from var_models.mar.model import MAR, MARConfig, init_params, loss_fn
-from var_models.mar.policy import IterPlan, MARPolicy
+from var_models.mar.policy import IterPlan, MARPolicy, Site
 from var_models.mar.sampler import make_mar_sampler
+from var_models.mar.schedule import MARSchedule, mask_schedule

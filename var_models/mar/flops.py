@@ -20,7 +20,7 @@ from var_models.flop_count import flops
 from var_models.mar.diffloss import diffloss_sample
 from var_models.mar.gaussian_diffusion import create_diffusion
 from var_models.mar.model import MAR, MARConfig, diffloss_net, init_params
-from var_models.mar.sampler import mask_schedule
+from var_models.mar.schedule import mask_schedule
 from var_models.tokenizers.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
 
 KEY = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)

@@ -1,40 +1,43 @@
 """Sampling policies of MAR: what each iteration computes, forwards and caches.
 
-The MAR sampler first binds its policy to the model, the iteration count, the guidance and
-the head's step count (`bind`: settings that do not fit them are an error before anything
-compiles), runs its iterations as one `lax.scan` whose body switches between the distinct
-static *plans*, and at every iteration asks its policy:
-  - `plan`: one `IterPlan` per iteration: whether the unconditional half of the
-    CFG batch runs, and a static tag of the policy's own (say, how many tokens the
-    decoder forwards); equal plans share one compiled branch of the scan body;
-  - `begin`: to note the iteration's facts (which tokens are still unknown, which
-    ones it predicts) in the policy's state;
-  - `encoder_hooks` / `decoder_hooks`: per block, which tokens each sub-layer
-    forwards, which keys and values they attend to (`BlockHooks.kv`: the cached
-    K/V of the others) and how the others are restored (cached features);
-  - `decoder_input`: the decoder's input to run (e.g. cached rows where the
-    encoder output did not change);
-  - `guidance`: the unconditional half of the decoder blocks' output (before the
-    decoder norm) when the plan skips it (e.g. cond + a cached uncond - cond
-    delta), and what a full iteration leaves in the cache;
-  - `head_cache`: a `diffloss.HeadCache` for the iteration's DiffLoss sampling
-    loop (per-step kinds, res-block hooks, guidance from cached deltas), or None;
-  - `record`: the iteration's caching decisions, stacked into the sampler's
-    aux['iterations'] when it is made with record=True;
-and carries the policy's `state` (its caches) through the scan as a pytree.
-LazyMAR (`accel`) subclasses `MARPolicy`. The base class is the baseline: every
-token, both halves, no caches; it adds no operation, so a baseline sampler
-compiles to the program of a sampler without hooks.
+`MARPolicy` is the core `var_models.nn.policy.Policy` as MAR asks it. The MAR sampler binds its
+policy once, when it is built, to `Binding(model=MARConfig, schedule=MARSchedule
+(mar/schedule.py: the mask schedule and the head's diffusion step count), guided=the CFG flag)`
+(settings that do not fit them are an error before anything compiles), runs its iterations as
+one `lax.scan` whose body switches between the distinct static *plans*, and carries the policy's
+state (its caches, a pytree; `init_state(batch)`, batch = B samples) through the scan. At every
+iteration it asks the core hooks:
+  - `block_hooks(Site(plan, stack), depth)`: per block of the encoder or decoder stack, which
+    tokens each sub-layer forwards, which keys and values they attend to (`BlockHooks.kv`:
+    the cached K/V of the others) and how the others are restored (cached features);
+  - `guide(plan, halves, state)` (guided samplers): the decoder blocks' output (before the
+    decoder norm) of the conditional and unconditional halves, each [B, buffer + N, Cd]:
+    `halves.both()` when the plan ran both halves, else made from `halves.cond()` and the
+    state (e.g. cond + a cached uncond - cond delta); the site is the iteration's `IterPlan`;
+and MAR's extensions:
+  - `plan(num_iter)`: one `IterPlan` per iteration of the bound schedule: whether the
+    unconditional half of the CFG batch runs, and a static tag of the policy's own (say, how
+    many tokens the decoder forwards); equal plans share one compiled branch of the scan body;
+  - `begin`: to note the iteration's facts (which tokens are still unknown, which ones it
+    predicts) in the policy's state;
+  - `decoder_input`: the decoder's input to run (e.g. cached rows where the encoder output
+    did not change);
+  - `head_cache`: a `diffloss.HeadCache` for the iteration's DiffLoss sampling loop (per-step
+    kinds, res-block hooks, guidance from cached deltas), or None;
+  - `record`: the iteration's caching decisions, stacked into the sampler's aux['iterations']
+    when it is made with record=True.
+LazyMAR (`accel`) subclasses `MARPolicy`. The base class is the baseline: every token, both
+halves, no caches, no state; it adds no operation.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
 import jax
 
 from var_models.mar.diffloss import HeadCache
-from var_models.nn.blocks import BlockHooks
+from var_models.nn.policy import Policy
 
 Array = jax.Array
 
@@ -42,8 +45,14 @@ Array = jax.Array
 @dataclasses.dataclass(frozen=True)
 class IterPlan:
   """Static choices of one MAR iteration."""
-  uncond: bool = True      # run the CFG batch's unconditional half (else `guidance` makes it)
+  uncond: bool = True      # run the CFG batch's unconditional half (else `guide` makes it)
   tag: Hashable = None     # the policy's own static choice for the iteration
+
+
+class Site(NamedTuple):
+  """Where `block_hooks` is asked: the iteration's plan and the stack about to run."""
+  plan: IterPlan
+  stack: str               # 'encoder' or 'decoder'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,43 +63,19 @@ class IterInfo:
   pred_idx: Array    # [B, P] int32, the positions predicted now, padded with N
 
 
-class MARPolicy:
-  """The baseline policy."""
-
-  def bind(self, cfg: Any, num_iter: int, guided: bool, diffusion_steps: int) -> 'MARPolicy':
-    """The policy for this `MARConfig`, iteration count, guidance and head step count (the base
-    needs none); raises ValueError naming the setting that does not fit them."""
-    return self
+class MARPolicy(Policy):
+  """The baseline policy (see the module docstring for what the sampler asks)."""
 
   def plan(self, num_iter: int) -> tuple[IterPlan, ...]:
+    """One plan per iteration; num_iter is the bound schedule's."""
     return (IterPlan(),) * num_iter
-
-  def init_state(self, batch: int, guided: bool) -> Any:
-    """The state before the first iteration; `batch` samples (rows are doubled with CFG)."""
-    return None
 
   def begin(self, plan: IterPlan, info: IterInfo, state: Any) -> Any:
     return state
 
-  def encoder_hooks(self, plan: IterPlan, depth: int) -> Optional[Sequence[Optional[BlockHooks]]]:
-    """One `BlockHooks` (or None) per encoder block, or None for plain blocks."""
-    return None
-
-  def decoder_hooks(self, plan: IterPlan, depth: int) -> Optional[Sequence[Optional[BlockHooks]]]:
-    """One `BlockHooks` (or None) per decoder block, or None for plain blocks."""
-    return None
-
   def decoder_input(self, plan: IterPlan, x: Array, state: Any) -> tuple[Array, Any]:
-    """The decoder input to run [rows, buffer + N, Cd] from the fresh one x."""
-    return x, state
-
-  def guidance(self, plan: IterPlan, x: Array, state: Any) -> tuple[Array, Any]:
-    """The decoder blocks' output (before the decoder norm) of both CFG halves [2B, buffer + N,
-    Cd] from x: [2B, ...] when the plan ran both halves, [B, ...] (conditional) when it skipped
-    the unconditional one."""
-    if not plan.uncond:
-      raise NotImplementedError(f'{type(self).__name__} skips the unconditional half but does not '
-                                'say how to make it: override `guidance`')
+    """The decoder input to run [rows, buffer + N, Cd] from the fresh one x (rows = 2B when the
+    plan runs both CFG halves, else B)."""
     return x, state
 
   def head_cache(self, plan: IterPlan) -> Optional[HeadCache]:

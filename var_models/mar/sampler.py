@@ -27,17 +27,17 @@ With guidance the batch is doubled ([cond; uncond(fake class)]), both halves
 share the diffusion noise, eps = eps_u + s * (eps_c - eps_u), and s is 'linear'
 (1 + (cfg - 1) * (N - mask_len) / N) or 'constant'.
 
-A `policy` (`var_models.mar.policy.MARPolicy`; LazyMAR is one) chooses per
-iteration which tokens each encoder and decoder block forwards, what they attend
-to and restore from its caches, and whether the unconditional half runs; the
-iterations run as one scan; with several distinct static plans, its body switches to the
-iteration's (each plan compiled once, however often the schedule alternates between them).
+A `policy` (`var_models.mar.policy.MARPolicy`; LazyMAR is one), bound when the
+sampler is built to the config, its `MARSchedule` (`var_models.mar.schedule`) and
+the guidance flag, chooses per iteration which tokens each encoder and decoder
+block forwards, what they attend to and restore from its caches, and whether the
+unconditional half runs (its `guide` then makes it). The iterations run as one
+scan; with several distinct static plans, its body switches to the iteration's
+(each plan compiled once, however often the schedule alternates between them).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from typing import Optional
 
 import jax
@@ -47,39 +47,15 @@ import numpy as np
 from var_models.mar.diffloss import diffloss_model_fn, diffloss_sample, diffloss_sample_cached
 from var_models.mar.gaussian_diffusion import create_diffusion
 from var_models.mar.model import MAR, MARConfig, diffloss_net, key_mask
-from var_models.mar.policy import BASELINE, IterInfo, IterPlan, MARPolicy, check_plans
+from var_models.mar.policy import BASELINE, IterInfo, IterPlan, MARPolicy, Site, check_plans
+from var_models.mar.schedule import MARSchedule, mask_schedule
 from var_models.nn.blocks import dense_params_in
 from var_models.nn.checks import check_labels
+from var_models.nn.policy import Binding, Halves
 from var_models.tokenizers.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
 
 Array = jax.Array
 CFG_SCHEDULES = ('linear', 'constant')
-
-
-@dataclasses.dataclass(frozen=True)
-class MaskSchedule:
-  """Static per-iteration counts of the official cosine schedule (all [num_iter] int)."""
-  masked: np.ndarray    # unknown tokens before the iteration
-  mask_len: np.ndarray  # unknown tokens after it (as clamped by the official code; >= 1)
-  n_pred: np.ndarray    # tokens predicted at the iteration
-
-  @property
-  def max_pred(self) -> int:
-    return int(self.n_pred.max())
-
-
-def mask_schedule(seq_len: int, num_iter: int) -> MaskSchedule:
-  if not 1 <= num_iter <= seq_len:
-    raise ValueError(f'num_iter must be in [1, {seq_len}] (the token count), got {num_iter}')
-  masked, rows = seq_len, []
-  for step in range(num_iter):
-    mask_len = int(np.floor(seq_len * np.cos(math.pi / 2.0 * (step + 1) / num_iter)))
-    mask_len = max(1, min(masked - 1, mask_len))
-    n_pred = masked if step == num_iter - 1 else masked - mask_len
-    rows.append((masked, mask_len, n_pred))
-    masked -= n_pred
-  m, l, n = (np.array(c, np.int32) for c in zip(*rows))
-  return MaskSchedule(m, l, n)
 
 
 def check_mar_sample_args(mar_cfg: MARConfig, labels, cfg: float, guided: bool, cfg_schedule: str,
@@ -120,8 +96,8 @@ class _MARSampler:
     self.model, self.vae = MAR(mar_cfg), AutoencoderKL(vae_cfg)
     self.head = diffloss_net(mar_cfg)
     self.diffusion = create_diffusion(num_diffusion_steps or mar_cfg.num_sampling_steps)
-    self.sched = mask_schedule(mar_cfg.seq_len, num_iter)
-    self.policy = policy = policy.bind(mar_cfg, num_iter, guided, self.diffusion.num_timesteps)
+    self.schedule = MARSchedule(mask_schedule(mar_cfg.seq_len, num_iter), self.diffusion.num_timesteps)
+    self.policy = policy = policy.bind(Binding(mar_cfg, self.schedule, guided))
     self.plans = policy.plan(num_iter)
     check_plans(self.plans, num_iter)
     self.vae_scale = vae_cfg.scaling_factor
@@ -153,7 +129,7 @@ class _MARSampler:
                                (np.sort(np.asarray(orders), axis=1) != np.arange(n)).any()):
       raise ValueError(f'orders must be one permutation of range({n}) per sample [{b}, {n}]')
     if noises is not None:
-      check_noises(noises, num_iter, b, self.sched.max_pred, self.diffusion.num_timesteps, d)
+      check_noises(noises, num_iter, b, self.schedule.mask.max_pred, self.diffusion.num_timesteps, d)
       noises = {k: jnp.asarray(noises[k], jnp.float32) for k in ('init', 'steps')}
     if forced is not None and np.shape(forced) != (num_iter, b, n, d):
       raise ValueError(f'forced_tokens must be [num_iter, B, N, D] = {(num_iter, b, n, d)}, '
@@ -178,7 +154,7 @@ class _MARSampler:
     class_emb = self.model.apply(mp, labels, method=MAR.class_embedding)
     if self.guided:
       class_emb = jnp.concatenate([class_emb, self.model.apply(mp, b, method=MAR.fake_class)])
-    s = self.sched
+    s = self.schedule.mask
     per_step = dict(i=jnp.arange(len(s.masked)), masked=jnp.asarray(s.masked), mask_len=jnp.asarray(s.mask_len),
                     n_pred=jnp.asarray(s.n_pred), noises=draws['noises'], forced=draws['forced'])
 
@@ -187,7 +163,7 @@ class _MARSampler:
       return self._iteration(params, plan, jax.random.fold_in(key, xs['i']), carry, rank, order, class_emb, xs,
                              guidance, temperature)
 
-    carry = (jnp.zeros((b, n, d), jnp.float32), self.policy.init_state(b, self.guided))
+    carry = (jnp.zeros((b, n, d), jnp.float32), self.policy.init_state(b))
     plans = list(dict.fromkeys(self.plans))   # the distinct plans, each traced and compiled once
     if len(plans) == 1:
       body = functools.partial(step, plans[0])
@@ -216,14 +192,15 @@ class _MARSampler:
     rows = 2 * b if self.guided and plan.uncond else b
     t2, m2 = jnp.tile(tokens, (rows // b, 1, 1)), jnp.tile(mask, (rows // b, 1))
     x = self.model.apply(mp, t2, class_emb[:rows], method=MAR.encoder_input)
-    x, state = self.model.apply(mp, x, key_mask(self.mar_cfg, m2), policy.encoder_hooks(plan, self.mar_cfg.encoder_depth),
-                                state, method=MAR.run_encoder)
+    x, state = self.model.apply(mp, x, key_mask(self.mar_cfg, m2),
+                                policy.block_hooks(Site(plan, 'encoder'), self.mar_cfg.encoder_depth), state,
+                                method=MAR.run_encoder)
     x = self.model.apply(mp, x, m2, method=MAR.decoder_input)
     x, state = policy.decoder_input(plan, x, state)
-    x, state = self.model.apply(mp, x, policy.decoder_hooks(plan, self.mar_cfg.decoder_depth), state,
-                                method=MAR.run_decoder)
+    x, state = self.model.apply(mp, x, policy.block_hooks(Site(plan, 'decoder'), self.mar_cfg.decoder_depth),
+                                state, method=MAR.run_decoder)
     if self.guided:
-      x, state = policy.guidance(plan, x, state)
+      x, state = self._guide(plan, x, state)
     z = self.model.apply(mp, x, method=MAR.decoder_output)
     gather = jnp.minimum(idx, n - 1)
     z_sel = jnp.take_along_axis(z, (jnp.concatenate([gather, gather]) if self.guided else gather)[..., None], axis=1)
@@ -235,10 +212,21 @@ class _MARSampler:
     record = dict(pred=idx, sampled=new, **policy.record(plan, state)) if self.record else None
     return (tokens, state), record
 
+  def _guide(self, plan: IterPlan, x: Array, state):
+    """Both CFG halves [2B, buffer + N, Cd] of the decoder blocks' output x ([2B, ...] when the plan
+    ran both halves, [B, ...] when it ran the conditional one), as the policy's `guide` gives them."""
+    if plan.uncond:
+      b = x.shape[0] // 2
+      halves = Halves(both=lambda: (x[:b], x[b:]), cond=None)
+    else:
+      halves = Halves(both=None, cond=lambda: x)
+    (cond, uncond), state = self.policy.guide(plan, halves, state)
+    return jnp.concatenate([cond, uncond]), state
+
   def _pred_positions(self, order, masked, n_pred):
     """Positions [B, P] predicted this iteration, ascending as the official nonzero() order;
     the P - n_pred padding rows hold N (out of range) and come last."""
-    p, n = self.sched.max_pred, order.shape[1]
+    p, n = self.schedule.mask.max_pred, order.shape[1]
     window = jax.lax.dynamic_slice_in_dim(
         jnp.concatenate([order, jnp.zeros_like(order[:, :p])], axis=1), masked - n_pred, p, axis=1)
     return jnp.sort(jnp.where(jnp.arange(p) < n_pred, window, n), axis=1)

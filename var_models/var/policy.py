@@ -1,33 +1,41 @@
-"""Sampling policies: what a next-scale sampler forwards, caches and attends at each step.
+"""VAR's sampling policies: the core `var_models.nn.policy.Policy` and the next-scale family's extensions.
 
-A sampler first binds its policy to the schedule and the model depth (`bind`: a
-policy's settings that do not fit them are an error before anything compiles),
-then walks the bound policy's *step plan* and, at every step, asks it:
-  - `plan`: which scales each step decodes (one, several in one forward, or a
-    scale left out, whose f_hat is only carried forward);
-  - `select_input`: which of the step's input tokens to forward (the others get
-    a zero residual at this step), and `input_counts`, how many of each scale
-    (static; they let a step of several scales follow or do such pruning);
-  - `block_hooks`: per block, which tokens each sub-layer forwards and how the
-    others are restored (see `blocks.BlockHooks`); only forwarded tokens enter
-    the KV cache;
+The sampler binds its policy once, when built (`bind(Binding)`: binding.model is the `VARConfig`,
+binding.schedule its `ScaleSchedule`, binding.guided True: the batch is always doubled for
+CFG; settings that do not fit them are an error before anything compiles), takes its state
+(`init_state(B)`, B the samples, not the doubled rows) and walks the bound policy's *step plan*.
+The hooks of a step (`block_hooks`, `select_input`, `after_step`) take its static `Site(index,
+step)`: the step and its position in the plan; `guide`'s site is a scale's index. The core hooks:
+  - `block_hooks(site, depth)`: per block, which tokens each sub-layer forwards and how the
+    others are restored (see `blocks.BlockHooks`); only forwarded tokens enter the KV cache;
+  - `guide(si, halves, state)`: the conditional and unconditional logits [B, l_si, V] of scale
+    si (an int, the scale's index in the schedule), which the sampler mixes as
+    (1 + t) * cond - t * uncond; the baseline takes both halves of the doubled batch.
+The family's extensions:
+  - `plan`: which scales each step decodes (one, several in one forward, or a scale left out,
+    whose f_hat is only carried forward);
+  - `select_input`: which of the step's input tokens to forward (the others get a zero
+    residual at this step), and `input_counts`, how many of each scale (static; they let a
+    step of several scales follow or do such pruning);
   - `attn_mask`: the attention layout of each step;
-  - `after_step`: to see f_hat once the step's scales are added to it;
-and carries the policy's own `state` (feature caches, index sets) as a pytree.
-The accelerators in `accel` subclass `ScalePolicy`. The base class is the
-baseline: every token, dense attention, no caches; it adds no operation, so a
-baseline sampler compiles to the same program as one without hooks.
+  - `after_step`: to see f_hat once the step's scales are added to it.
+The policy's own `state` (feature caches, index sets) is a pytree carried through every hook.
+The accelerators in `accel` subclass `ScalePolicy`. The base class is the baseline: every
+token, dense attention, both halves, no caches; it adds no operation, so a baseline sampler
+compiles to the same program as one without hooks.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
 
 from var_models.nn import attention as attn_lib
 from var_models.nn.blocks import BlockHooks
+from var_models.nn.policy import Binding, Policy
+from var_models.var.model import VARConfig
 from var_models.var.schedules import ScaleSchedule
 
 
@@ -37,22 +45,26 @@ class Step:
   scales: tuple[int, ...]
 
 
-class ScalePolicy:
-  """The baseline policy."""
+class Site(NamedTuple):
+  """Where the sampler is: the step at position `index` of the plan (static, hashable)."""
+  index: int
+  step: Step
 
-  def bind(self, sched: ScaleSchedule, depth: int) -> 'ScalePolicy':
-    """The policy for this schedule and model depth (the base needs neither); raises
-    ValueError naming the setting that does not fit them."""
-    return self
+
+def var_binding(var_cfg: VARConfig) -> Binding:
+  """What the sampler of var_cfg binds its policy to: the config, its schedule,
+  guided (VAR doubles the batch for CFG)."""
+  return Binding(model=var_cfg, schedule=var_cfg.schedule, guided=True)
+
+
+class ScalePolicy(Policy):
+  """The baseline policy."""
 
   def plan(self, sched: ScaleSchedule) -> tuple[Step, ...]:
     return tuple(Step((si,)) for si in range(sched.num_scales))
 
-  def init_state(self, sched: ScaleSchedule, batch: int) -> Any:
-    return None
-
-  def select_input(self, step_idx: int, step: Step, x: jax.Array, state: Any):
-    """Indices [B', k] of the step's input tokens x [B', l, C] to forward, or None for all."""
+  def select_input(self, site: Site, x: jax.Array, state: Any):
+    """Indices [2B, k] of the step's input tokens x [2B, l, C] to forward, or None for all."""
     return None, state
 
   def input_counts(self, step: Step) -> Optional[tuple[int, ...]]:
@@ -60,11 +72,11 @@ class ScalePolicy:
     indices then come scale by scale), or None: all of them, or counts it cannot promise."""
     return None
 
-  def after_step(self, step_idx: int, step: Step, f_hat: jax.Array, state: Any) -> Any:
+  def after_step(self, site: Site, f_hat: jax.Array, state: Any) -> Any:
     """The state once the step's scales are added to f_hat [B, H, W, C]."""
     return state
 
-  def block_hooks(self, step_idx: int, step: Step, depth: int) -> Optional[Sequence[Optional[BlockHooks]]]:
+  def block_hooks(self, site: Site, depth: int) -> Optional[Sequence[Optional[BlockHooks]]]:
     """One `BlockHooks` (or None) per block, or None for plain blocks."""
     return None
 

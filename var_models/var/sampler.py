@@ -8,7 +8,8 @@ the per-scale token maps ('indices', -1 where a policy forwarded nothing) and,
 if asked, the per-scale f_hat and CFG-combined logits. The batch is doubled for
 CFG (conditional, then the unconditional label), each attention layer keeps a
 KV cache, and guidance at scale k is t = cfg * k / (K - 1): logits = (1 + t) *
-cond - t * uncond, sampled by top-k, then top-p, then a categorical draw.
+cond - t * uncond (the halves from the policy's `guide`), sampled by top-k, then
+top-p, then a categorical draw.
 Arguments are checked before anything compiles.
 """
 from __future__ import annotations
@@ -23,9 +24,10 @@ from var_models.nn import tokens as tok
 from var_models.nn.attention import KVCache
 from var_models.nn.checks import check_labels
 from var_models.nn.resample import area_resize
+from var_models.nn.policy import Halves
 from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig
 from var_models.var.model import VAR, VARConfig
-from var_models.var.policy import BASELINE, ScalePolicy, Step, check_plan
+from var_models.var.policy import BASELINE, ScalePolicy, Site, Step, check_plan, var_binding
 
 Array = jax.Array
 
@@ -102,7 +104,7 @@ class _Sampler:
     self.var_cfg = var_cfg
     self.model, self.vq = VAR(var_cfg), VQVAE(vq_cfg)
     self.sched = var_cfg.schedule
-    self.policy = policy.bind(self.sched, var_cfg.depth)
+    self.policy = policy.bind(var_binding(var_cfg))
     self.steps = self.policy.plan(self.sched)
     check_plan(self.steps, self.sched)
     self.return_fhats, self.return_logits = return_fhats, return_logits
@@ -136,20 +138,21 @@ class _Sampler:
     mods = self.model.apply(vp, cond2, method=VAR.modulations)
     kvs = KVCache.create_many(vc.depth, 2 * b, sched.L, vc.num_heads, vc.head_dim, vc.dtype)
     f_hat = jnp.zeros((b, sched.final_hw, sched.final_hw, vc.cvae), jnp.float32)
-    state = policy.init_state(sched, 2 * b)
+    state = policy.init_state(b)
     cached_levels = np.zeros((0,), np.int32)  # scale of each cached key, while no token is pruned
     aux = {'indices': [], 'f_hats': [], 'logits': []}
-    for step_idx, step in enumerate(self.steps):
+    for index, step in enumerate(self.steps):
+      site = Site(index, step)
       x = _step_inputs(self.model, vp, step, cond2, f_hat)
-      sel, state = policy.select_input(step_idx, step, x, state)
-      hooks = policy.block_hooks(step_idx, step, vc.depth)
+      sel, state = policy.select_input(site, x, state)
+      hooks = policy.block_hooks(site, vc.depth)
       mask, cached_levels = self._step_mask(step, cached_levels, sel, hooks)
       h, kvs, state = self.model.apply(
           vp, x if sel is None else tok.gather(x, sel), mods, mask=mask, kvs=kvs, hooks=hooks,
           state=state, method=VAR.run_blocks)
       logits = self.model.apply(vp, h, cond2, method=VAR.logits)
-      key, f_hat = self._sample_step(key, step, logits, sel, cfg, f_hat, qp, aux, top_k, top_p)
-      state = policy.after_step(step_idx, step, f_hat, state)
+      key, f_hat, state = self._sample_step(key, step, logits, sel, cfg, f_hat, state, qp, aux, top_k, top_p)
+      state = policy.after_step(site, f_hat, state)
     images = (self.vq.apply(qp, f_hat, method=VQVAE.fhat_to_img) + 1) * 0.5
     aux = {k: v for k, v in aux.items() if v}
     return images, aux
@@ -175,8 +178,10 @@ class _Sampler:
       mask = self.policy.attn_mask(step, q_levels, np.concatenate([cached_levels, q_levels]))
     return mask, (np.concatenate([cached_levels, q_levels]) if known else None)
 
-  def _sample_step(self, key, step, logits, sel, cfg, f_hat, qp, aux, top_k, top_p):
-    """Guides, samples and adds the codes of every scale of the step to f_hat."""
+  def _sample_step(self, key, step, logits, sel, cfg, f_hat, state, qp, aux, top_k, top_p):
+    """Guides, samples and adds the codes of every scale of the step to f_hat [B, H, W, C], from
+    the step's logits [2B, l', V] (l' the forwarded tokens `sel` [2B, l'], or all) -> (key, f_hat,
+    state): the policy's `guide` gives each scale's halves [B, l_si, V]."""
     sched, b = self.sched, f_hat.shape[0]
     k_last = sched.num_scales - 1
     logits_full = logits if sel is None else tok.scatter(
@@ -185,9 +190,10 @@ class _Sampler:
     offset = 0
     for si in step.scales:
       n = sched.lengths[si]
-      lg = logits_full[:, offset:offset + n]
+      both = logits_full[:, offset:offset + n]
+      (c, u), state = self.policy.guide(si, Halves(both=lambda: (both[:b], both[b:]), cond=None), state)
       t = cfg * si / k_last
-      lg = (1 + t) * lg[:b] - t * lg[b:]
+      lg = (1 + t) * c - t * u
       key, sub = jax.random.split(key)
       idx = sample_top_k_top_p(sub, lg, top_k, top_p)
       codes = self.vq.apply(qp, idx, method=VQVAE.embed)
@@ -203,7 +209,7 @@ class _Sampler:
       if self.return_logits:
         aux['logits'].append(lg)
       offset += n
-    return key, f_hat
+    return key, f_hat, state
 
 
 def _kept_mask(sel: Array, offset: int, n: int) -> Array:
