@@ -7,6 +7,7 @@ import pytest
 
 from accel import ECARConditionCache, FastVAR, LazyMAR, compose, policy_from_spec
 from accel.compose import Composed, merge_plans
+from test_var_sampler import _CondOnly
 from var_models.var.policy import ScalePolicy, Step
 from var_models.var.sampler import make_sampler
 from var_models.var.schedules import ScaleSchedule
@@ -65,24 +66,6 @@ def test_policies_of_other_families_are_refused_naming_the_family():
     compose(ECARConditionCache(interval=2), skip)
 
 
-class _CondOnly(ScalePolicy):
-  """Guides with the conditional half as both halves; its state counts the calls."""
-
-  def __init__(self):
-    self.seen = []   # the state at each after_step, while tracing
-
-  def init_state(self, batch):
-    return 0
-
-  def guide(self, site, halves, state):
-    cond, _ = halves.both()
-    return (cond, cond), state + 1
-
-  def after_step(self, site, f_hat, state):
-    self.seen.append(state)
-    return state
-
-
 def test_one_policy_may_guide_on_its_own_slot_two_are_an_error(tiny_var):
   var_cfg, vq_cfg, params = tiny_var
   guider, skip = _CondOnly(), FastVAR(ratios=((4, 1.0),))
@@ -91,7 +74,7 @@ def test_one_policy_may_guide_on_its_own_slot_two_are_an_error(tiny_var):
   _, plain = make_sampler(var_cfg, vq_cfg, skip, return_logits=True)(*args, cfg=0.0, top_k=1)
   for got, want in zip(aux['logits'], plain['logits'], strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-  assert guider.seen == [1, 2, 3]   # scale 3 skipped
+  assert guider.seen == [(0, 1), (1, 2), (2, 3)]   # scale 3 skipped
   with pytest.raises(ValueError, match=r'at most one policy may make the guided halves .*; _CondOnly, _CondOnly do'):
     compose(guider, skip, _CondOnly())
 
