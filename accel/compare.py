@@ -29,7 +29,7 @@ from absl import app, flags
 from accel import metrics
 from accel.fidelity import compare, parse_seeds
 from accel.specs import policy_from_spec
-from sampling import family_from_config
+from sampling import compilation_cache, family_from_config
 from sampling import flags as sf
 from var_models.nn.checks import check_labels
 
@@ -55,6 +55,7 @@ def _labels(seeds: list[int], num_classes: int) -> np.ndarray:
 
 def main(argv):
   del argv
+  compilation_cache.enable(compilation_cache.COMPILATION_CACHE.value)
   config = sf.CONFIG.value
   sf.check_family(config)
   if sf.SEED.value is not None:

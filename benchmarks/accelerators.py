@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sampling import compilation_cache
 from accel import LazyMAR, policy_from_spec
 from accel.fidelity import peak_bytes
 from accel.lazymar_flops import lazymar_sampling_flops, official_extra
@@ -356,7 +357,7 @@ def main():
                   'instead of VAR')
   ap.add_argument('--ecar_presets', default=','.join(ECAR_PRESETS), help='ECARConditionCache presets')
   ap.add_argument('--family_dtype', default='bfloat16', help='compute dtype of the MAR and E-CAR models')
-  args = ap.parse_args()
+  args = compilation_cache.parse_args(ap)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   if args.flops and args.ecar_sizes:
     ap.error('--flops counts VAR and MAR models, not E-CAR')

@@ -35,6 +35,7 @@ import grain
 import numpy as np
 from PIL import Image
 
+from sampling import compilation_cache
 from train.data.folder import ImageFolder
 from train.data.imagenet import ImageNet, write_manual_tars
 from train.data.latents import CachedLatents
@@ -182,7 +183,7 @@ def main():
   p.add_argument('--train_batch', type=int, default=32)
   p.add_argument('--train_steps', type=int, default=60)
   p.add_argument('--warmup', type=int, default=10)
-  args = p.parse_args()
+  args = compilation_cache.parse_args(p)
   with tempfile.TemporaryDirectory() as tmp:
     directory = args.dir or tmp
     kb = write_jpegs(directory, args.images)

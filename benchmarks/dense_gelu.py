@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from sampling import compilation_cache
 from pallas_kernels import dense_gelu_mgpu as dg
 from pallas_kernels.dense_gelu import reference as xla
 from timing import time_compiled
@@ -25,7 +26,7 @@ def main():
   ap.add_argument('--variants', default='4x8x0,4x8x1,3x8x0,4x16x0',
                   help='stages x grid_width x delay_release of the kernel')
   ap.add_argument('--iters', type=int, default=30)
-  args = ap.parse_args()
+  args = compilation_cache.parse_args(ap)
   k, n = 1920, 7680
   w = (jax.random.normal(jax.random.key(1), (k, n)) * 0.03).astype(jnp.bfloat16)
   b = (jax.random.normal(jax.random.key(2), (n,)) * 0.5).astype(jnp.bfloat16)

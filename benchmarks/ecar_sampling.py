@@ -20,6 +20,7 @@ import json
 import jax
 import numpy as np
 
+from sampling import compilation_cache
 import ecar
 from configs import ecar as ecar_configs
 from timing import print_top_device_ops, time_compiled
@@ -60,7 +61,7 @@ def main():
   ap.add_argument('--no_flops', action='store_true', help='skip the FLOP count (one more compile per variant)')
   ap.add_argument('--json', default=None, help='also write the rows here')
   ap.add_argument('--profile', default='', help='trace one call per shape into this folder; print the top kernels')
-  args = ap.parse_args()
+  args = compilation_cache.parse_args(ap)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   rows = []
   for variant in args.variants.split(','):

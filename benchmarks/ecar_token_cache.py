@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sampling import compilation_cache
 import ecar
 from accel.fidelity import parse_seeds
 from sampling import family_from_config
@@ -131,7 +132,7 @@ def main():
   ap.add_argument('--attn', default='cudnn')
   ap.add_argument('--warmup', type=int, default=2)
   ap.add_argument('--iters', type=int, default=10)
-  args = ap.parse_args()
+  args = compilation_cache.parse_args(ap)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   (cost_report if args.cost else change_report)(args)
 

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sampling import compilation_cache
 import pallas_kernels as pk
 from pallas_kernels import reference
 from accel.fastvar import pts_scores
@@ -581,7 +582,7 @@ def main():
   p.add_argument('--smoke', action='store_true', help='tiny shapes, interpret mode (CPU)')
   p.add_argument('--bwd_configs', default='',
                  help="extra backward variants for (b), e.g. '32x64w4,64x128w8'")
-  args = p.parse_args()
+  args = compilation_cache.parse_args(p)
   print(f'devices: {jax.devices()}; jax {jax.__version__}')
   ceil = ceilings(args.smoke)
   print(f'measured ceilings: copy {ceil["copy_gbs"]:.0f} GB/s (read + write), '

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sampling import compilation_cache
 from configs import mar as mar_configs
 from timing import print_top_device_ops, time_compiled
 from var_models.mar import from_config as models
@@ -34,7 +35,7 @@ def main():
   ap.add_argument('--iters', type=int, default=10)
   ap.add_argument('--json', default=None)
   ap.add_argument('--profile', default='', help='trace one call into this folder; print the top kernels')
-  args = ap.parse_args()
+  args = compilation_cache.parse_args(ap)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   rows = []
   for size in args.sizes.split(','):

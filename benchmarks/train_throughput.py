@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sampling import compilation_cache
 from train import mesh as mesh_lib
 from train import throughput
 from train.optimizer import lr_schedule, make_optimizer
@@ -112,7 +113,7 @@ def main():
   p.add_argument('--dtype', default=None, help='override config.dtype')
   p.add_argument('--attn_backend', default=None, help='override config.attn_backend')
   p.add_argument('--peak_flops', type=float, default=0.0, help='per-device peak FLOP/s (default: by device kind)')
-  args = p.parse_args()
+  args = compilation_cache.parse_args(p)
   counts = [int(n) for n in args.devices.split(',')]
   if max(counts) > jax.device_count():
     raise SystemExit(f'--devices {args.devices}: only {jax.device_count()} devices here')

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sampling import compilation_cache
 import pallas_kernels as pk
 from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig
 from var_models.var.model import VARConfig
@@ -73,7 +74,7 @@ def main():
                   "(the Hopper dense-GELU kernel in the FFNs, or XLA's GEMM + GELU), side by side")
   ap.add_argument('--xla', default='', help="XLA compiler-option variants side by side, e.g. "
                   "';xla_gpu_enable_cublaslt=true' (XLA's defaults, then cuBLASLt)")
-  args = ap.parse_args()
+  args = compilation_cache.parse_args(ap)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   rows = []
   for depth in [int(d) for d in args.depths.split(',')]:

@@ -1,10 +1,9 @@
 """Shared tiny VAR + VQVAE fixtures (CPU, float32)."""
 import os
+import shutil
+import tempfile
 
-# The programs the tests start (`python -m train` ...) compile afresh: no persistent cache in ~/.cache.
-os.environ.setdefault('JAX_ENABLE_COMPILATION_CACHE', 'false')
-
-import jax  # noqa: E402
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +12,18 @@ from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig
 from var_models.var.model import VARConfig, init_params
 
 TINY_PATCH_NUMS = (1, 2, 3, 4)
+
+
+def pytest_configure(config):
+  """The programs the tests start (`python -m train` ...) share one persistent compilation cache for the
+  session (made by the controlling process, before any worker starts), never the one in ~/.cache."""
+  if not hasattr(config, 'workerinput') and 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+    config.xla_cache = os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='tests_xla_cache_')
+
+
+def pytest_unconfigure(config):
+  if getattr(config, 'xla_cache', None):
+    shutil.rmtree(config.xla_cache, ignore_errors=True)
 
 
 @pytest.fixture(scope='session')

@@ -59,19 +59,26 @@ def test_loading_a_checkpoint_of_another_model_names_the_parameter(npz_files, tm
     var_from_config.load_var_params(wider, VQ_CFG, out)
 
 
-def test_sample_cli_writes_a_png_grid_from_a_checkpoint(tmp_path):
+def test_sample_cli_writes_a_png_grid_and_a_second_run_loads_the_sampler_from_the_cache(tmp_path):
   config = var_configs.get_config('tiny')
   var_cfg, vq_cfg = var_from_config.var_configs(config)
   ckpt = str(tmp_path / 'tiny')
   checkpoint.save_params(ckpt, var_from_config.init_var_params(var_cfg, vq_cfg, jax.random.key(0)))
-  out = str(tmp_path / 'grid.png')
-  cmd = [sys.executable, '-m', 'train.sample', '--config', 'configs/var.py:tiny', '--ckpt', ckpt,
-         '--out', out, '--labels', '1,2,3', '--num_images', '4', '--batch_size', '2', '--cfg', '2.0',
-         '--top_k', '5', '--top_p', '0.9', '--seed', '3']
-  subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=600)
-  grid = np.asarray(Image.open(out))
-  assert grid.ndim == 3 and grid.shape[2] == 3 and grid.shape[0] >= 2 * 64
-  assert grid.std() > 0
+  cache = tmp_path / 'xla'
+  grids, entries = [], []
+  for run in range(2):
+    out = str(tmp_path / f'grid{run}.png')
+    cmd = [sys.executable, '-m', 'train.sample', '--config', 'configs/var.py:tiny', '--ckpt', ckpt,
+           '--out', out, '--labels', '1,2,3', '--num_images', '4', '--batch_size', '2', '--cfg', '2.0',
+           '--top_k', '5', '--top_p', '0.9', '--seed', '3', f'--compilation_cache={cache}']
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=600)
+    grids.append(np.asarray(Image.open(out)))
+    entries.append(sorted(os.listdir(cache)))
+  assert grids[0].ndim == 3 and grids[0].shape[2] == 3 and grids[0].shape[0] >= 2 * 64
+  assert grids[0].std() > 0
+  assert any(name.startswith('jit__sample') for name in entries[0]), entries[0]
+  assert entries[1] == entries[0]   # nothing compiled again
+  np.testing.assert_array_equal(grids[1], grids[0])
 
 
 def test_sample_cli_rejects_bad_labels_before_sampling(tmp_path):

@@ -245,7 +245,10 @@ def test_processes_that_lower_different_programs_stop_naming_the_first_differenc
 
 
 def test_a_start_up_phase_past_its_limit_ends_both_processes_naming_it(tmp_path):
-  job = _job(tmp_path, [*ECAR, '--startup_timeout=0.05'])
-  assert job.wait(timeout=120) == [75, 75]
+  """Three processes declared, two started: both wait in distributed init for the third until their limit."""
+  def three_declared(port, i, n):
+    return launch.coordinator_env(port, i, n + 1)
+  job = _job(tmp_path, [*ECAR, '--startup_timeout=1'], launch_env=three_declared)
+  assert job.wait(timeout=120) == [75, 75], [job.err(i)[-2000:] for i in range(2)]
   for i in range(2):
-    assert f'process {i} of 2: start-up phase "' in job.err(i)
+    assert f'process {i} of 3: start-up phase "distributed init" did not end within --startup_timeout=1 s' in job.err(i)

@@ -16,7 +16,8 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from train import compilation_cache, multihost, throughput
+from sampling import compilation_cache
+from train import multihost, throughput
 from train.startup import Startup
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/{ecar,var,mar}.py:VARIANT', lock_config=True)

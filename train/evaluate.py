@@ -45,7 +45,7 @@ from absl import app, flags
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from sampling import family_from_config
+from sampling import compilation_cache, family_from_config
 from sampling import flags as sf
 from train import multihost
 from train.builtin_classifier import BuiltinMetrics
@@ -278,6 +278,7 @@ def evaluate_run(family, labels, batch, key, directory, inception, ref, builtin)
 
 def main(argv):
   del argv
+  compilation_cache.enable(compilation_cache.COMPILATION_CACHE.value)
   multihost.initialize(multihost.HEARTBEAT_TIMEOUT.value)
   config = sf.CONFIG.value
   sf.check_family(config)

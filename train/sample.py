@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 import jax
 
-from sampling import sampling_from_config
+from sampling import compilation_cache, sampling_from_config
 from sampling import flags as sf
 from train import grid as grid_lib
 from var_models.nn.checks import check_labels
@@ -43,6 +43,7 @@ def _labels(num_classes: int, batch: int) -> np.ndarray:
 
 def main(argv):
   del argv
+  compilation_cache.enable(compilation_cache.COMPILATION_CACHE.value)
   config = sf.CONFIG.value
   sf.check_family(config)
   batch = sf.batch_size(config.sample.batch_size)
