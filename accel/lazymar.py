@@ -288,8 +288,8 @@ class LazyMAR(Presets, MARPolicy):
     if self.scaled:
       return self.scaled_to(num_iter).bind(binding)
     if not binding.guided:
-      raise setting_error(self, 'guided', 'LazyMAR runs with CFG only (its caches hold the CFG halves and its '
-                          '`guide` closes each iteration): make the sampler with guided=True')
+      raise setting_error(self, 'guided', 'LazyMAR runs with CFG only (its caches hold both CFG halves): make '
+                          'the sampler with guided=True')
     if len(self.ratios) != num_iter:
       raise setting_error(self, 'ratios', f'{len(self.ratios)} entries for a sampler of {num_iter} iterations (the '
                           "official constants fit 64; the 'scaled' preset fits any count)")
@@ -396,8 +396,7 @@ class LazyMAR(Presets, MARPolicy):
   def guide(self, site: IterPlan, halves: Halves, state: dict):
     """The decoder blocks' output of the cond and uncond halves [B, L, Cd]: positions the decoder
     did not keep are 0; with the condition cache a cached iteration's uncond is cond + the last
-    refresh's uncond - cond. Also closes the iteration: notes its predictions for the next one and
-    drops its scratch values."""
+    refresh's uncond - cond."""
     b, it, plan = self._bound(), state['it'], site
     cond, uncond = halves.both() if plan.uncond else (halves.cond(), None)
     batch, kept = cond.shape[0], state['kept']
@@ -413,8 +412,12 @@ class LazyMAR(Presets, MARPolicy):
       uncond = (cond + state['diff']).astype(cond.dtype)
     elif self.condition and plan.tag is not None:
       state = {**state, 'diff': (uncond - cond).astype(jnp.float32)}
-    state = {k: v for k, v in state.items() if k != 'it'}
-    return (cond, uncond), {**state, 'prev_pred': it['pred'], 'kept': kept}
+    return (cond, uncond), {**state, 'kept': kept}
+
+  def end(self, plan: IterPlan, state: dict) -> dict:
+    """Notes the iteration's predicted positions for the next one and drops its scratch values."""
+    rest = {k: v for k, v in state.items() if k != 'it'}
+    return {**rest, 'prev_pred': state['it']['pred']}
 
   def head_cache(self, plan: IterPlan) -> Optional[HeadCache]:
     if not self.head:

@@ -12,6 +12,10 @@ apart; step times are medians over --iters steps after --warmup steps, timed on 
 host after block_until_ready. MFU = the step's matmul FLOPs (`var_models.flop_count`,
 split over the devices) x steps/s over the device's dense bf16 peak.
 
+--count runs nothing: it prints the step's matmul FLOPs as counted on its jaxpr (MFU's numerator)
+and as XLA counts them after its optimisations (its cost analysis of the compiled step, which
+leaves out cuBLAS/cuDNN calls on a GPU: run it on the CPU with --attn_backend xla), one device.
+
 Then, for each N > 1, the first --check_steps losses on N devices against one
 device at the same global batch, batch_per_device (what one device holds; the N
 devices take batch_per_device / N each): the same computation, split over the
@@ -33,9 +37,10 @@ from sampling import compilation_cache
 from train import mesh as mesh_lib
 from train import throughput
 from train.optimizer import lr_schedule, make_optimizer
-from train.state import sharded_init
-from train.step import compile_train_step
+from train.state import init_state, sharded_init
+from train.step import compile_train_step, make_train_step
 from train.tasks import make_task
+from var_models import flop_count
 
 
 def load_config(spec: str, batch: int, overrides: dict):
@@ -91,6 +96,21 @@ def time_steps(config, task, devices: int, per_device: int, args) -> dict:
               images_per_s=per_device * devices / med, mfu=mfu, loss=float(metrics['loss']))
 
 
+def count_flops(config, task, batch: int) -> tuple[float, float]:
+  """(jaxpr matmul FLOPs, XLA's compiled FLOPs) of one step at `batch` images on one device, from
+  abstract arrays (nothing allocated but the compiled program)."""
+  t = config.train
+  schedule = lr_schedule(t)
+  tx = make_optimizer(t, schedule)
+  state = jax.eval_shape(lambda k: init_state(task.init, tx, k), jax.random.key(t.seed))
+  frozen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), task.frozen)
+  traced = jax.jit(make_train_step(task, tx, schedule, t.grad_accum, t.ema_decay)).trace(
+      state, frozen, random_batch(task, batch, False, 0))
+  cost = traced.lower().compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return flop_count.jaxpr_flops(traced.jaxpr.jaxpr), float(cost['flops'])
+
+
 def first_losses(config, task, devices: int, batch: int, steps: int, encode: bool) -> list[float]:
   step, state, frozen, glob, *_ = build(config, task, devices, random_batch(task, batch, encode, 1))
   losses = []
@@ -113,7 +133,15 @@ def main():
   p.add_argument('--dtype', default=None, help='override config.dtype')
   p.add_argument('--attn_backend', default=None, help='override config.attn_backend')
   p.add_argument('--peak_flops', type=float, default=0.0, help='per-device peak FLOP/s (default: by device kind)')
+  p.add_argument('--count', action='store_true', help="print the step's FLOPs (jaxpr, XLA), run nothing")
   args = compilation_cache.parse_args(p)
+  if args.count:
+    for spec in args.models.split(','):
+      config = load_config(spec, args.batch_per_device, dict(dtype=args.dtype, attn_backend=args.attn_backend))
+      jaxpr, xla = count_flops(config, make_task(config), args.batch_per_device)
+      print(f'{spec}, {args.batch_per_device} images: jaxpr matmul {jaxpr / 1e12:.3f} TFLOP, XLA {xla / 1e12:.3f} '
+            f'TFLOP ({jax.devices()[0].device_kind})', flush=True)
+    return
   counts = [int(n) for n in args.devices.split(',')]
   if max(counts) > jax.device_count():
     raise SystemExit(f'--devices {args.devices}: only {jax.device_count()} devices here')

@@ -72,6 +72,7 @@ class ARTransformer(nn.Module):
     self.blocks = [Block(c, cfg.ar_heads, cfg.mlp_ratio, backend=cfg.attn_backend, dtype=cfg.dtype)
                    for _ in range(cfg.ar_depth)]
     self.norm = torch_layer_norm(1e-6)
+    self.unit_norm = nn.LayerNorm(epsilon=1e-6, use_fast_variance=False, use_scale=False, use_bias=False)
 
   def class_embedding(self, labels: Array) -> Array:
     """labels [B] (num_classes = the null class) -> [B, C]."""
@@ -104,14 +105,22 @@ class ARTransformer(nn.Module):
     """Final LayerNorm (float32): the token maps r [B, l, C]."""
     return self.norm(h.astype(jnp.float32))
 
-  def __call__(self, labels: Array, prev_ends: Sequence[Array]) -> Array:
-    """Teacher-forced: labels [B], prev_ends the end points of stages 0..S-2 -> r [B, num_tokens, C]."""
+  def __call__(self, labels: Array, prev_ends: Sequence[Array], norm_taps: Optional[dict] = None) -> Array:
+    """Teacher-forced: labels [B], prev_ends the end points of stages 0..S-2 -> r [B, num_tokens, C].
+
+    norm_taps {'scale', 'bias'} [S, C], zeros: offsets of the final norm's scale and bias at each stage's
+    tokens. r is unchanged (n * 0 + 0 is 0), and a loss's gradient with respect to the taps of stage s
+    is the part of its gradient on the final norm that flows through stage s's tokens."""
     cls = self.class_embedding(labels)
     x = jnp.concatenate([self.stage_inputs(s, cls, prev_ends[s - 1] if s else None)
                          for s in range(self.cfg.num_stages)], axis=1)
     levels = stage_levels(self.cfg)
     h, _, _ = self.run_blocks(x, mask=attn_lib.ScaleCausal(levels, levels))
-    return self.output(h)
+    r = self.output(h)
+    if norm_taps is not None:
+      unit = self.unit_norm(h.astype(jnp.float32))
+      r = r + unit * norm_taps['scale'][levels] + norm_taps['bias'][levels]
+    return r
 
 
 class Denoiser(nn.Module):
@@ -162,10 +171,10 @@ class ECAR(nn.Module):
     self.denoiser = [Denoiser(self.cfg, s) for s in range(self.cfg.num_stages)]
 
   def __call__(self, labels: Array, prev_ends: Sequence[Array], x_t: Sequence[Array],
-               timesteps: Sequence[Array]) -> list[Array]:
+               timesteps: Sequence[Array], norm_taps: Optional[dict] = None) -> list[Array]:
     """labels [B]; prev_ends: end points of stages 0..S-2; x_t, timesteps: per stage [B, g_s, g_s, D]
-    and [B] -> predicted velocities per stage (float32)."""
-    r = self.ar(labels, prev_ends)
+    and [B] -> predicted velocities per stage (float32). norm_taps: see `ARTransformer.__call__`."""
+    r = self.ar(labels, prev_ends, norm_taps)
     return [self.denoiser[s](x_t[s], timesteps[s], r[:, b:e])
             for s, (b, e) in enumerate(self.cfg.begin_ends)]
 

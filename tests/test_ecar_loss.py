@@ -80,3 +80,29 @@ def test_bad_batch_is_a_clear_error():
     ecar.loss_fn(CFG, params, gn, jnp.zeros((2, 8, 8, 4)), jnp.zeros((2,), jnp.int32), jax.random.key(0))
   with pytest.raises(ValueError, match=r'labels must be integers of shape \(2,\)'):
     ecar.loss_fn(CFG, params, gn, jnp.zeros((2, 8, 8, 3)), jnp.zeros((3,), jnp.int32), jax.random.key(0))
+
+
+def test_gradnorm_gradients_read_off_the_training_backward_equal_a_backward_per_stage():
+  """GradNorm on the final norm: the stage gradient norms from the taps' gradient (taken with the loss's,
+  as the train step does) equal ||grad L_s|| on the norm's params taken stage by stage; random params
+  (no zero layer, so every stage's gradient reaches the norm) and uneven weights."""
+  from ecar.loss import gradnorm_step, loss_and_stats, norm_taps
+  x0, labels = _batch()
+  key = jax.random.key(3)
+  params = ecar.init_params(CFG, jax.random.key(0))
+  params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(p.size), p.shape), params)
+  gn = ecar.init_gradnorm(CFG).replace(weights=jnp.array([0.4, 1.6]))
+  (_, (_, stats)), taps = jax.value_and_grad(
+      lambda t: loss_and_stats(CFG, params, gn, x0, labels, key, t), has_aux=True)(norm_taps(CFG))
+  assert 'grads' not in stats   # no extra backward pass
+  _, metrics = gradnorm_step(CFG, gn, {**stats, 'taps': taps})
+
+  def stage_loss(norm, s):
+    with_norm = {**params, 'ar': {**params['ar'], 'norm': norm}}
+    return loss_and_stats(CFG, with_norm, gn, x0, labels, key)[1][0][f'loss/stage{s}']
+
+  for s in range(2):
+    grads = jax.grad(stage_loss)(params['ar']['norm'], s)
+    want = np.sqrt(sum(float(jnp.sum(jnp.square(g))) for g in jax.tree.leaves(grads)))
+    assert want > 1e-3
+    np.testing.assert_allclose(float(metrics[f'gradnorm/g{s}']), want, rtol=1e-5)

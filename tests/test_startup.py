@@ -56,7 +56,7 @@ def test_train_logs_the_duration_of_each_start_up_phase(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   for phase in ('distributed init', 'config and workdir checks', 'model and frozen tokenizer', 'data pipeline',
                 'train state (init or restore)', 'data pipeline: first batch', 'compile the train step',
-                'first step'):
+                'every process compiled', 'first step'):
     assert f'[process 0 of 1] start-up: {phase}: ' in proc.stderr, phase
 
 

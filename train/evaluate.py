@@ -42,7 +42,6 @@ import time
 import jax
 import numpy as np
 from absl import app, flags
-from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from sampling import compilation_cache, family_from_config
@@ -253,18 +252,13 @@ def _run_name(family, spec: str) -> str:
   return f"cfg_{family.opts['cfg']:g}" + ('' if spec == 'baseline' else '_' + spec.replace(':', '_').replace('+', '__'))
 
 
-def _sync(name: str) -> None:
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(name)
-
-
 def evaluate_run(family, labels, batch, key, directory, inception, ref, builtin) -> dict:
   """Samples (this host's share), then, on process 0, the metrics of one run; {} on other processes."""
   row = {'images': len(labels), 'options': family.options, 'policy': _POLICY.value}
   check_settings(directory, dict(row, batch_size=batch, seed=sf.pick(sf.SEED, sf.CONFIG.value.sample.seed),
                                  ckpt=sf.CKPT.value and os.path.abspath(sf.CKPT.value)))
   row['sec_per_image'] = sample_shards(family, _policy(family), labels, batch, key, directory)
-  _sync(directory)
+  multihost.barrier(f'sampled {directory}')   # hosts sample unequal shares
   if jax.process_index():
     return {}
   num_batches = -(-len(labels) // batch)

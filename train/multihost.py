@@ -16,10 +16,15 @@ service: every host saves the same step and stops (`train.trainer.Preemption`). 
 dies stops sending heartbeats: after --heartbeat_timeout seconds the coordinator declares it dead
 and every other host aborts with "the JAX distributed service detected fatal errors" instead of
 waiting forever in a collective; the same command resumes from the last checkpoint.
+
+Waiting. A device collective gives its peers a short time to arrive (gloo's context on the CPU:
+30 s), so hosts that reach one far apart (one compiled or sampled longer) meet first at
+`barrier`, the coordination service's, which waits as long as the work may take.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 
@@ -94,6 +99,18 @@ def _broadcast_text(text: str) -> str:
   return bytes(np.asarray(multihost_utils.broadcast_one_to_all(padded))).decode()
 
 
+_BARRIERS = itertools.count()
+
+
+def barrier(name: str, timeout_s: float = 24 * 3600) -> None:
+  """Returns once every process has called it (the coordination service's barrier, not a device
+  collective). A peer that died meanwhile is declared dead by its heartbeats and the others abort."""
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed   # the runtime's client: its barrier has no public entry point
+  distributed.global_state.client.wait_at_barrier(f'{name} #{next(_BARRIERS)}', int(timeout_s * 1000))
+
+
 def check_same_config(config) -> None:
   """Raises on every host when any host's config differs from host 0's, naming the keys."""
   if jax.process_count() == 1:
@@ -145,9 +162,9 @@ def check_shared_workdir(workdir: str) -> None:
   if jax.process_index() == 0:
     with open(probe, 'w') as f:
       f.write(str(nonce))
-  multihost_utils.sync_global_devices('workdir probe written')
+  barrier('workdir probe written')
   sees = _allgather(np.int32(os.path.exists(probe)))
-  multihost_utils.sync_global_devices('workdir probe read')
+  barrier('workdir probe read')
   if jax.process_index() == 0:
     os.remove(probe)
   blind = [p for p in range(len(sees)) if not sees[p]]

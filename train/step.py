@@ -4,7 +4,9 @@ Gradients are averaged over `grad_accum` micro-batches (a `lax.scan`; micro-batc
 is rows i, i + A, i + 2A, ... so each is split over every device like the batch).
 The model state either advances with every micro-batch's loss or, for a task with
 `update_state` (E-CAR's GradNorm), changes once per step from the loss's statistics
-averaged over the micro-batches, as one step on the full batch would change it.
+averaged over the micro-batches, as one step on the full batch would change it; a
+task's `taps` (zero inputs of its loss) are differentiated with the parameters, in
+the same backward pass, and their gradient joins those statistics.
 A step whose loss or gradient norm is not finite changes nothing but the counters
 (and the RNG): parameters, EMA, optimizer and model state stay as they were.
 """
@@ -48,9 +50,14 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
     """-> (loss, metrics, new model state or statistics, grads) of one (micro-)batch."""
     k_in, k_loss = jax.random.split(key)
     inputs = task.inputs(frozen, batch, k_in)
-    grad_fn = jax.value_and_grad(task.loss, has_aux=True)
-    (loss, (metrics, aux)), grads = grad_fn(params, model_state, inputs, batch['label'], k_loss)
-    return loss, metrics, aux, grads
+    if task.taps is None:
+      grad_fn = jax.value_and_grad(task.loss, has_aux=True)
+      (loss, (metrics, aux)), grads = grad_fn(params, model_state, inputs, batch['label'], k_loss)
+      return loss, metrics, aux, grads
+    grad_fn = jax.value_and_grad(task.loss, argnums=(0, 5), has_aux=True)
+    (loss, (metrics, aux)), (grads, tap_grads) = grad_fn(params, model_state, inputs, batch['label'], k_loss,
+                                                         task.taps())
+    return loss, metrics, {**aux, 'taps': tap_grads}, grads
 
   def accumulated(params, model_state, frozen, batch, key):
     """Means over the micro-batches; the model state threaded through them, or statistics averaged."""

@@ -14,6 +14,10 @@ A `Task` holds pure functions (all jit-compiled by the trainer):
                                            optional: a model state that changes once per
                                            optimizer step (E-CAR's GradNorm), from the loss's
                                            stats (float arrays) averaged over the micro-batches
+  taps() -> zeros                          optional, with update_state: a last argument of
+                                           loss, differentiated with the params; its gradient
+                                           is stats['taps'] (E-CAR: GradNorm's per-stage
+                                           gradients on the final norm, from the one backward)
   sample(params, frozen, key, labels) -> images [B, H, W, 3] in [0, 1]
 and `frozen`, the tokenizer's parameters (loaded from the config's checkpoint, or
 random with a warning when none is named). A tokenizer's own task (the VQVAE)
@@ -67,6 +71,7 @@ class Task:
   # without the discriminator it trained with.
   export: Optional[Callable[[Any], Any]] = None
   update_state: Optional[Callable[[Any, Any], tuple[Any, dict]]] = None
+  taps: Optional[Callable[[], Any]] = None
 
 
 def to_unit_range(images: Array) -> Array:
@@ -186,7 +191,7 @@ def ecar_task(config) -> Task:
   """E-CAR: GradNorm's state is the model state, updated once per optimizer step from the stage losses
   and shared-layer gradients of the whole batch; pixel space has no tokenizer (frozen None)."""
   import ecar
-  from ecar.loss import gradnorm_step, loss_and_stats
+  from ecar.loss import gradnorm_step, loss_and_stats, norm_taps
   cfg = ecar.ecar_config(config)
   pixel = cfg.latent_space == 'pixel'
   frozen = None if pixel else _frozen(config.vae_ckpt, 'vae', _vae_shapes, cfg.vae, config.train.seed + 1,
@@ -198,12 +203,13 @@ def ecar_task(config) -> Task:
       return _posterior_draw(batch['moments'], cfg.vae.scaling_factor, key)
     return ecar.encode_images(cfg, frozen, to_unit_range(batch['image']), key)
 
-  def loss(params, model_state, x0, labels, key):
-    return loss_and_stats(cfg, params, model_state, x0, labels, key, train=True)
+  def loss(params, model_state, x0, labels, key, taps=None):
+    return loss_and_stats(cfg, params, model_state, x0, labels, key, taps, train=True)
 
+  taps = None if norm_taps(cfg) is None else functools.partial(norm_taps, cfg)
   return Task('ecar', cfg.image_size, cfg.num_classes, lambda k: (ecar.init_params(cfg, k), ecar.init_gradnorm(cfg)),
               frozen, inputs, loss, _sampler(config), ('ecar', 'vae'), moments,
-              update_state=functools.partial(gradnorm_step, cfg))
+              update_state=functools.partial(gradnorm_step, cfg), taps=taps)
 
 
 def _lpips_shapes(dtype, key):

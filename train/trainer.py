@@ -308,6 +308,8 @@ class Trainer:
           # One process has no peer to compare with: skip printing the program's text.
           check_lowered=(functools.partial(multihost.check_same_program, 'train step')
                          if jax.process_count() > 1 else None))
+    with self.startup.phase('every process compiled'):
+      multihost.barrier('train step compiled')   # the first step's collectives start together
     meter = _Meter(t, flops,
                    throughput.peak_flops(jax.devices()[0], t.peak_flops))
     bar = tqdm(total=t.steps, initial=start, desc=f'train {self.config.family}', unit='step',

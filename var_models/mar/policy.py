@@ -24,6 +24,8 @@ and MAR's extensions:
     did not change);
   - `head_cache`: a `diffloss.HeadCache` for the iteration's DiffLoss sampling loop (per-step
     kinds, res-block hooks, guidance from cached deltas), or None;
+  - `end`: to close the iteration once its tokens are sampled (keep what the next one needs,
+    drop the iteration's scratch values: the state has the same structure at every iteration);
   - `record`: the iteration's caching decisions, stacked into the sampler's aux['iterations']
     when it is made with record=True.
 LazyMAR (`accel`) subclasses `MARPolicy`. The base class is the baseline: every token, both
@@ -81,6 +83,10 @@ class MARPolicy(Policy):
   def head_cache(self, plan: IterPlan) -> Optional[HeadCache]:
     """The DiffLoss sampling loop's cache at this iteration (guided samplers only), or None."""
     return None
+
+  def end(self, plan: IterPlan, state: Any) -> Any:
+    """The state the next iteration starts from, once this one's tokens are sampled."""
+    return state
 
   def record(self, plan: IterPlan, state: Any) -> dict:
     """The iteration's caching decisions {name: array}, the same keys and shapes at every plan."""

@@ -209,6 +209,7 @@ class _MARSampler:
     used = new if xs['forced'] is None else jnp.take_along_axis(xs['forced'], gather[..., None], axis=1)
     # Padding rows carry the out-of-range position N and are dropped.
     tokens = tokens.at[jnp.arange(b)[:, None], idx].set(used, mode='drop')
+    state = policy.end(plan, state)
     record = dict(pred=idx, sampled=new, **policy.record(plan, state)) if self.record else None
     return (tokens, state), record
 
