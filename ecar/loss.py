@@ -149,10 +149,8 @@ def gradnorm_step(cfg: ECARConfig, gradnorm_state: gradnorm.GradNormState,
   elif 'grads' in stats:
     norms = _stage_norms(stats['grads'])
   else:
-    norms = None
-  if norms is None:
     norms = jnp.zeros_like(stats['losses'])
-  else:
+  if 'taps' in stats or 'grads' in stats:
     metrics |= {f'gradnorm/g{s}': norms[s] for s in range(cfg.num_stages)}
   new_state, diag = gradnorm.update(gradnorm_state, stats['losses'], norms, lr=cfg.gradnorm_lr,
                                     alpha=cfg.gradnorm_alpha, min_weight=cfg.gradnorm_min_weight)
