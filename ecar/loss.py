@@ -117,9 +117,9 @@ def loss_and_stats(cfg: ECARConfig, params, gradnorm_state: gradnorm.GradNormSta
   """x0 [B, H, W, D] in the model's data space, labels [B] -> (loss, (metrics, stats)).
 
   taps: `norm_taps(cfg)`, whose gradient the caller takes with the params' (its stats['taps'] for
-  `gradnorm_step`), or None. stats: {'losses': L_s [S]; when training with gradnorm_lr > 0 on another
-  layer than the final norm, 'grads': grad_W L_s (`shared_grads`)}, means over the batch, so those of
-  equal micro-batches average to the full batch's.
+  `gradnorm_step`), or None. stats: {'losses': L_s [S]; when training with gradnorm_lr > 0 and no
+  taps, 'grads': grad_W L_s (`shared_grads`)}, means over the batch, so those of equal micro-batches
+  average to the full batch's.
   """
   _check_batch(cfg, x0, labels)
   k_drop, k_noise, k_t = jax.random.split(key, 3)
@@ -133,7 +133,7 @@ def loss_and_stats(cfg: ECARConfig, params, gradnorm_state: gradnorm.GradNormSta
   metrics |= {f'gradnorm/w{s}': weights[s] for s in range(cfg.num_stages)}
   metrics['loss/unweighted'] = jnp.sum(losses)
   stats = {'losses': jax.lax.stop_gradient(losses)}
-  if train and cfg.gradnorm_lr > 0 and norm_taps(cfg) is None:
+  if train and cfg.gradnorm_lr > 0 and taps is None:
     stats['grads'] = shared_grads(cfg, params, labels, points)
   return jnp.sum(weights * losses), (metrics, stats)
 
