@@ -22,7 +22,9 @@ compilation cache and, under --config.data.cache_latents=True, one latent cache 
 first run). --cpu runs the same on CPU devices (JAX_NUM_CPU_DEVICES) to try the script anywhere.
 The processes inherit the environment: under XLA_FLAGS=--xla_gpu_deterministic_ops=true GPU
 reductions are deterministic, the run-to-run floor is 0 and layouts that reduce in the same order
-give equal losses (two H200s: benchmarks/RESULTS.md).
+give equal losses (two H200s: benchmarks/RESULTS.md). XLA does not run cuDNN's masked attention
+backward in that mode: deterministic runs of VAR (bfloat16, scale-causal) take
+--config.attn_backend=xla.
 """
 from __future__ import annotations
 

@@ -243,6 +243,35 @@ def test_processes_that_lower_different_programs_stop_naming_the_first_differenc
           "on process 0 'sub'") in job.err(1)
 
 
+CUSTOM_PARTITIONED = r'''
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+from train import multihost
+multihost.initialize()
+
+@custom_partitioning
+def double(x):
+  return 2 * x
+double.def_partition(
+    partition=lambda mesh, args, result: (mesh, lambda x: 2 * x, args[0].sharding, args[0].sharding),
+    infer_sharding_from_operands=lambda mesh, args, result: args[0].sharding, sharding_rule='i -> i')
+x = jax.ShapeDtypeStruct((8,), 'float32', sharding=NamedSharding(jax.make_mesh((2,), ('data',)), P('data')))
+lowered = []
+for _ in range(2 + jax.process_index()):   # each kept alive, so each gets a key of its own
+  lowered.append(jax.jit(double).lower(x))
+  jax.clear_caches()
+texts = [lowered[-2].as_text(), lowered[-1].as_text()]
+assert texts[0] != texts[1] and multihost.comparable_program(texts[0]) == multihost.comparable_program(texts[1])
+multihost.check_same_program('train step', texts[1])
+'''
+
+
+def test_processes_agree_on_a_program_whose_custom_partitioned_ops_carry_per_process_callback_keys(tmp_path):
+  job = _job(tmp_path, [], per_process=[[], []], run=('-c', CUSTOM_PARTITIONED))
+  assert job.wait(timeout=120) == [0, 0], [job.err(i)[-2000:] for i in range(2)]
+
+
 def test_a_start_up_phase_past_its_limit_ends_both_processes_naming_it(tmp_path):
   """Three processes declared, two started: both wait in distributed init for the third until their limit."""
   def three_declared(port, i, n):

@@ -25,7 +25,7 @@ from train import builtin_classifier, tasks
 from train.checkpoints import CheckpointError, Checkpoints
 from train.summaries import read_scalars
 from train.tasks import Task, to_unit_range
-from train.trainer import Preemption, Trainer, TrainingDiverged
+from train.trainer import Preemption, Trainer, TrainingDiverged, first_step_hint
 
 STEPS = 6
 
@@ -282,3 +282,13 @@ def test_a_run_on_an_image_folder(tmp_path):
   batch = trainer.loader.batch(0)
   assert batch['image'].shape == (4, 8, 8, 3) and set(batch['label'].tolist()) <= {0, 1}
   assert int(trainer.run().state.step) == 2
+
+
+@pytest.mark.parametrize('backend, flags, hinted', [
+    ('cudnn', '--xla_gpu_deterministic_ops=true', True), ('cudnn', '--xla_gpu_deterministic_ops', True),
+    ('cudnn', '--xla_gpu_deterministic_ops=false', False), ('xla', '--xla_gpu_deterministic_ops=true', False),
+    ('cudnn', '', False)])
+def test_a_first_step_failing_under_deterministic_gpu_ops_with_cudnn_attention_names_the_fix(backend, flags, hinted):
+  config = ml_collections.ConfigDict({'attn_backend': backend})
+  hint = first_step_hint(config, f'--xla_dump_to=/tmp/x {flags}')
+  assert (hint is not None and '--config.attn_backend=xla' in hint) == hinted

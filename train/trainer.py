@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import signal
 import time
 from typing import Optional
@@ -90,6 +91,21 @@ def check_batch(t, num_devices: int) -> None:
   if t.batch_size % (t.grad_accum * num_devices):
     raise ValueError(f'config.train.batch_size={t.batch_size} must be a multiple of grad_accum '
                      f'({t.grad_accum}) x devices ({num_devices})')
+
+
+_DETERMINISTIC_OPS = re.compile(r'--xla_gpu_deterministic_ops(=true|=1)?(\s|$)')
+
+
+def first_step_hint(config, xla_flags: str) -> Optional[str]:
+  """The fix for a first step that fails because of the job's setup, where the setup is known to:
+  XLA's deterministic GPU ops do not run cuDNN's masked attention backward (VAR's scale-causal
+  training fails its first step with `IndexError: absl::container_internal::raw_hash_map<>::at`,
+  jax 0.11.2 on H200s; MAR's unmasked attention runs)."""
+  if config.get('attn_backend') == 'cudnn' and _DETERMINISTIC_OPS.search(xla_flags):
+    return ("the first train step failed under XLA's deterministic GPU ops (XLA_FLAGS has "
+            "--xla_gpu_deterministic_ops) with config.attn_backend='cudnn': XLA does not run cuDNN's masked "
+            'attention backward in that mode; set --config.attn_backend=xla for deterministic runs')
+  return None
 
 
 def sample_labels(t, num_classes: int) -> np.ndarray:
@@ -319,7 +335,13 @@ class Trainer:
       for step in range(start, t.steps):
         if step == start:
           with self.startup.phase('first step'):
-            self.state, metrics = jax.block_until_ready(step_fn(self.state, self.frozen, first))
+            try:
+              self.state, metrics = jax.block_until_ready(step_fn(self.state, self.frozen, first))
+            except Exception as e:
+              hint = first_step_hint(self.config, os.environ.get('XLA_FLAGS', ''))
+              if hint is None:
+                raise
+              raise RuntimeError(hint) from e
         else:
           self.state, metrics = step_fn(self.state, self.frozen, self._next_batch(data, step))
         if pending is not None:   # the previous step's metrics: fetching them does not stall this one
