@@ -10,7 +10,9 @@ compile); run times are medians over --iters calls after --warmup calls, each
 with a fresh key, timed on the host after block_until_ready. FLOPs per image are
 matmul FLOPs counted on the sampler's jaxpr (`ecar.sampling_flops`), with and
 without the VAE decoder, beside the paper's Table 2 (1T / 3.2T / 5.8T for S / B / L, which
-leaves the decoder out: configs/ecar.py).
+leaves the decoder out: configs/ecar.py). Beside every time: the memory floor (`floors.py`): the
+AR's weights read once per stage, each stage's denoiser once per Euler step, the VAE decoder once,
+in the compute dtype, at the HBM bandwidth a copy reaches in the same run.
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ import numpy as np
 
 from sampling import compilation_cache
 import ecar
+from ecar.sampler import steps_per_stage
 from configs import ecar as ecar_configs
+import floors
 from timing import print_top_device_ops, time_compiled
 
 PAPER_TFLOPS = {'S': 1.0, 'B': 3.2, 'L': 5.8}  # Table 2, with CFG, 250 steps
@@ -32,6 +36,16 @@ def model_config(variant: str, dtype: str, backend: str):
   c = ecar_configs.get_config(variant)
   c.dtype, c.attn_backend = dtype, backend
   return ecar.ecar_config(c)
+
+
+def weight_reads(cfg, params, vae, steps: int, dtype: str) -> dict:
+  """{network: (bytes per call, calls)} of one sampler call (see `floors.floor`)."""
+  reads = {'AR': (floors.weight_bytes(params['ar'], dtype), cfg.num_stages)}
+  for s, n in enumerate(steps_per_stage(cfg, steps)):
+    reads[f'denoiser {s}'] = (floors.weight_bytes(params[f'denoiser_{s}'], dtype), n)
+  if vae is not None:
+    reads['VAE decoder'] = (floors.weight_bytes((vae['decoder'], vae['post_quant_conv']), dtype), 1)
+  return reads
 
 
 def time_sampler(cfg, params, vae, batch: int, steps: int, guidance: float, warmup: int, iters: int,
@@ -61,8 +75,11 @@ def main():
   ap.add_argument('--no_flops', action='store_true', help='skip the FLOP count (one more compile per variant)')
   ap.add_argument('--json', default=None, help='also write the rows here')
   ap.add_argument('--profile', default='', help='trace one call per shape into this folder; print the top kernels')
+  ap.add_argument('--copy_bytes', type=int, default=1 << 31, help='size of the copy that measures HBM bandwidth')
   args = compilation_cache.parse_args(ap)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
+  bandwidth = floors.hbm_bandwidth(args.copy_bytes)
+  print(f'HBM bandwidth (a {args.copy_bytes / 2**30:g} GiB copy): {bandwidth / 1e9:.0f} GB/s', flush=True)
   rows = []
   for variant in args.variants.split(','):
     cfg = model_config(variant, args.dtype, args.backend)
@@ -76,14 +93,18 @@ def main():
       print(f"  FLOPs per image: {flops['per_image'] / 1e9:.1f} G "
             f"({flops['per_image_without_decode'] / 1e9:.1f} G without the VAE decoder"
             f"{f'; paper {paper:g} T' if paper else ''}), steps per stage {flops['steps_per_stage']}", flush=True)
+    bound = floors.floor(weight_reads(cfg, params, vae, args.steps, args.dtype), bandwidth)
+    print(f'  {floors.describe(bound, bandwidth)}', flush=True)
     for batch in [int(b) for b in args.batches.split(',')]:
       r = time_sampler(cfg, params, vae, batch, args.steps, args.cfg, args.warmup, args.iters,
                        args.profile)
       r.update(variant=variant, batch=batch, steps=args.steps, dtype=args.dtype, backend=args.backend,
-               tflops_per_image=None if not flops else flops['per_image'] / 1e12)
+               tflops_per_image=None if not flops else flops['per_image'] / 1e12,
+               floor_ms=bound['seconds'] * 1e3, bandwidth_gb_s=bandwidth / 1e9)
       rows.append(r)
       print(f"  B={batch:<3} compile {r['compile_s']:6.1f} s  median {r['median_ms']:9.2f} ms  "
-            f"per image {r['per_image_ms']:8.2f} ms  (min {r['min_ms']:.2f}, max {r['max_ms']:.2f})", flush=True)
+            f"per image {r['per_image_ms']:8.2f} ms  (min {r['min_ms']:.2f}, max {r['max_ms']:.2f})  "
+            f"{r['median_ms'] / r['floor_ms']:.2f}x the floor {r['floor_ms']:.2f} ms", flush=True)
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(rows, f, indent=2)

@@ -4,7 +4,10 @@
 
 Random weights (official init), bf16 compute with float32 parameters, the
 KL-16 decoder included. Compile time apart; medians over --iters calls after
---warmup calls, each with a fresh key. `--sizes tiny` runs on a CPU.
+--warmup calls, each with a fresh key. `--sizes tiny` runs on a CPU. Beside every time: the
+memory floor (`floors.py`): the encoder and decoder weights read once per iteration, the
+diffusion head's once per diffusion step of every iteration, the KL-16 decoder once, in the
+compute dtype, at the HBM bandwidth a copy reaches in the same run.
 """
 from __future__ import annotations
 
@@ -17,9 +20,20 @@ import numpy as np
 
 from sampling import compilation_cache
 from configs import mar as mar_configs
+import floors
 from timing import print_top_device_ops, time_compiled
 from var_models.mar import from_config as models
 from var_models.mar.sampler import make_mar_sampler
+
+
+def weight_reads(params, num_iter: int, steps: int, dtype: str) -> dict:
+  """{network: (bytes per call, calls)} of one sampler call (see `floors.floor`)."""
+  mar = params['mar']
+  transformer = {k: v for k, v in mar.items() if k != 'diffloss'}
+  vae = params['vae']
+  return {'encoder + decoder': (floors.weight_bytes(transformer, dtype), num_iter),
+          'diffusion head': (floors.weight_bytes(mar['diffloss'], dtype), num_iter * steps),
+          'KL-16 decoder': (floors.weight_bytes((vae['decoder'], vae['post_quant_conv']), dtype), 1)}
 
 
 def main():
@@ -35,8 +49,11 @@ def main():
   ap.add_argument('--iters', type=int, default=10)
   ap.add_argument('--json', default=None)
   ap.add_argument('--profile', default='', help='trace one call into this folder; print the top kernels')
+  ap.add_argument('--copy_bytes', type=int, default=1 << 31, help='size of the copy that measures HBM bandwidth')
   args = compilation_cache.parse_args(ap)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
+  bandwidth = floors.hbm_bandwidth(args.copy_bytes)
+  print(f'HBM bandwidth (a {args.copy_bytes / 2**30:g} GiB copy): {bandwidth / 1e9:.0f} GB/s', flush=True)
   rows = []
   for size in args.sizes.split(','):
     config = mar_configs.get_config(size)
@@ -47,19 +64,23 @@ def main():
     num_iter = min(args.num_iter, mar_cfg.seq_len)
     sample = make_mar_sampler(mar_cfg, vae_cfg, num_iter=num_iter, guided=args.cfg != 1.0,
                               num_diffusion_steps=args.steps)
+    bound = floors.floor(weight_reads(params, num_iter, args.steps, args.dtype), bandwidth)
+    print(f'MAR-{size}: {floors.describe(bound, bandwidth)}', flush=True)
     for batch in [int(b) for b in args.batches.split(',')]:
       labels = np.arange(batch, dtype=np.int32) % mar_cfg.class_num
       lab, cfg, temp = jnp.asarray(labels), jnp.float32(args.cfg), jnp.float32(1.0)
       compiled, row = time_compiled(sample.lower(params, jax.random.key(0), labels, cfg=args.cfg),
                              lambda i: (params, jax.random.key(i), lab, cfg, temp), batch,
                              args.warmup, args.iters)
-      row = dict(size=size, batch=batch, num_iter=num_iter, steps=args.steps, **row)
+      row = dict(size=size, batch=batch, num_iter=num_iter, steps=args.steps, floor_ms=bound['seconds'] * 1e3,
+                 bandwidth_gb_s=bandwidth / 1e9, **row)
       rows.append(row)
       if args.profile:
         print_top_device_ops(lambda: jax.block_until_ready(compiled(params, jax.random.key(9), lab, cfg, temp)),
                              args.profile)
       print(f"MAR-{size:5} B={batch:<3} compile {row['compile_s']:6.1f} s  median {row['median_ms']:9.1f} ms  "
-            f"per image {row['per_image_ms']:8.2f} ms  [{row['min_ms']:.1f}, {row['max_ms']:.1f}]", flush=True)
+            f"per image {row['per_image_ms']:8.2f} ms  [{row['min_ms']:.1f}, {row['max_ms']:.1f}]  "
+            f"{row['median_ms'] / row['floor_ms']:.2f}x the floor {row['floor_ms']:.1f} ms", flush=True)
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(rows, f, indent=1)
