@@ -129,7 +129,7 @@ def test_the_inception_network_from_its_checkpoint_scores_the_samples(copy):
   """No stand-in: a random-weight FIDInceptionV3 saved as `python -m var_models.convert inception` does."""
   from var_models import checkpoint
   from var_models.tokenizers.inception import FIDInceptionV3
-  params = FIDInceptionV3().init(jax.random.key(0), np.zeros((1, 8, 8, 3), np.float32))['params']
+  params = jax.jit(FIDInceptionV3().init)(jax.random.key(0), np.zeros((1, 8, 8, 3), np.float32))['params']
   checkpoint.save_params(str(copy / 'inception'), {'inception': params}, {'model': 'random'})
   ref = str(copy / 'ref.npz')
   np.savez(ref, arr_0=np.random.default_rng(0).integers(0, 256, (8, 32, 32, 3), np.uint8))

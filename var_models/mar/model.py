@@ -324,7 +324,8 @@ def loss_fn(model: MAR, params, latents: Array, labels: Array, key: Array, *, tr
 
 
 def init_params(cfg: MARConfig, key: Array):
-  """Random parameters with the official initialisation (DiffLoss's own included)."""
+  """Random parameters with the official initialisation (DiffLoss's own included), compiled as
+  one program."""
   tokens = jnp.zeros((1, cfg.seq_len, cfg.token_embed_dim), jnp.float32)
   mask = jnp.zeros((1, cfg.seq_len), bool)
 
@@ -332,4 +333,4 @@ def init_params(cfg: MARConfig, key: Array):
   # init need not trace the loss: a much smaller program to compile.
   def forward(model: MAR):
     return model.decode(model.encode(tokens, mask, model.class_embedding(jnp.zeros((1,), jnp.int32))), mask)
-  return MAR(cfg).init(key, method=forward)['params']
+  return jax.jit(lambda k: MAR(cfg).init(k, method=forward)['params'])(key)

@@ -50,10 +50,13 @@ def var_configs(config) -> tuple[VARConfig, VQVAEConfig]:
 
 
 def init_var_params(var_cfg: VARConfig, vq_cfg: VQVAEConfig, key) -> dict:
-  """Random {'var', 'vqvae'} params (official init for VAR)."""
-  k1, k2 = jax.random.split(key)
-  img = jnp.zeros((1, vq_cfg.image_size, vq_cfg.image_size, 3), jnp.float32)
-  return {'var': init_params(var_cfg, k1), 'vqvae': VQVAE(vq_cfg).init(k2, img)['params']}
+  """Random {'var', 'vqvae'} params (official init for VAR), compiled as one program (op by op,
+  the initialisers of a transformer and a conv VAE are hundreds of small compiles)."""
+  def init(key):
+    k1, k2 = jax.random.split(key)
+    img = jnp.zeros((1, vq_cfg.image_size, vq_cfg.image_size, 3), jnp.float32)
+    return {'var': init_params(var_cfg, k1), 'vqvae': VQVAE(vq_cfg).init(k2, img)['params']}
+  return jax.jit(init)(key)
 
 
 def load_var_params(var_cfg: VARConfig, vq_cfg: VQVAEConfig, directory: Optional[str]) -> dict:

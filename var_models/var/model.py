@@ -209,9 +209,9 @@ def param_count(params) -> int:
 
 
 def init_params(cfg: VARConfig, key: Array):
-  """Random parameters with the official initialisation."""
+  """Random parameters with the official initialisation. Compiled: op by op, the initialisers of
+  a transformer are hundreds of small compiles."""
   sched = cfg.schedule
-  model = VAR(cfg)
   labels = jnp.zeros((1,), jnp.int32)
   x_tf = jnp.zeros((1, sched.L - sched.first_l, cfg.cvae), jnp.float32)
-  return model.init({'params': key}, labels, x_tf)['params']
+  return jax.jit(lambda k: VAR(cfg).init({'params': k}, labels, x_tf)['params'])(key)
