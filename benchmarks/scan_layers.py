@@ -1,0 +1,119 @@
+"""Unrolled against scanned transformer blocks: compile time and run time of one VAR scale step.
+
+  python3 benchmarks/scan_layers.py --depth 32 --width 2048 --heads 16 --tokens 1,256,4096 --cache 6000
+  python benchmarks/scan_layers.py --depth 4 --width 64 --heads 2 --tokens 4 --cache 16 --dtype float32 --xla ''
+
+One scale step of a VAR sampler: `tokens` queries per row over a KV cache that already holds
+`cache` keys, 2 rows (a guided batch of 1), through `depth` of VAR's AdaLN blocks (random
+weights, unmasked attention as at a one-scale step):
+  unrolled  a Python loop over each block's own parameters and KV cache (today's samplers);
+  scan      `lax.scan` over the parameters stacked on a leading layer axis, the KV caches stacked
+            too: each layer's valid keys sliced out, its new keys written back in place.
+Each program is compiled apart under each set of XLA options of --xla (';'-separated, '' for the
+defaults; `xla_gpu_enable_dynamic_slice_fusion` lets cuBLAS read a layer's slice of the stacked
+weights in place), then timed (median of --iters calls after --warmup), beside the floor of
+reading every block's weights once (`floors.py`) at the bandwidth a copy reaches in the same run.
+The scanned program's outputs are checked against the unrolled one's.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import floors
+from sampling import compilation_cache
+from timing import time_compiled, xla_variants
+from var_models.nn.attention import KVCache
+from var_models.nn.blocks import AdaLNSelfAttn, trunc_normal
+
+
+def block(width: int, heads: int, dtype) -> AdaLNSelfAttn:
+  init = trunc_normal(math.sqrt(1 / (3 * width)))
+  return AdaLNSelfAttn(width, heads, 4.0, 1e-6, True, False, 0.0, init, init, init, 0.0, 'xla', dtype)
+
+
+def unrolled(blk, params, x, mods, ks, vs, cache: int):
+  """params, ks, vs: per-layer lists -> (x, new keys [depth, B, l, H, D])."""
+  new = []
+  for p, mod, k, v in zip(params, mods, ks, vs):
+    x, kv, _ = blk.apply({'params': p}, x, mod, kv=KVCache(k, v, cache))
+    new.append(kv.k[:, cache:kv.length])
+  return x, jnp.stack(new)
+
+
+def scanned(blk, params, x, mods, ks, vs, cache: int):
+  """params, ks, vs stacked on a leading layer axis -> (x, new keys [depth, B, l, H, D])."""
+  l = x.shape[1]
+
+  def body(carry, layer):
+    x, ks, vs = carry
+    p, mod, i = layer
+    index = (i, 0, 0, 0, 0)
+    k = jax.lax.dynamic_slice(ks, index, (1,) + ks.shape[1:2] + (cache + l,) + ks.shape[3:])[0]
+    v = jax.lax.dynamic_slice(vs, index, (1,) + vs.shape[1:2] + (cache + l,) + vs.shape[3:])[0]
+    x, kv, _ = blk.apply({'params': p}, x, mod, kv=KVCache(k, v, cache))
+    at = (i, 0, cache, 0, 0)
+    ks = jax.lax.dynamic_update_slice(ks, kv.k[None, :, cache:], at)
+    vs = jax.lax.dynamic_update_slice(vs, kv.v[None, :, cache:], at)
+    return (x, ks, vs), kv.k[:, cache:]
+
+  (x, _, _), new = jax.lax.scan(body, (x, ks, vs), (params, mods, jnp.arange(len(mods))))
+  return x, new
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument('--depth', type=int, default=32)
+  ap.add_argument('--width', type=int, default=2048)
+  ap.add_argument('--heads', type=int, default=16)
+  ap.add_argument('--tokens', default='1,256,4096', help='queries per row at the step')
+  ap.add_argument('--cache', type=int, default=6000, help='keys already in the cache')
+  ap.add_argument('--dtype', default='bfloat16')
+  ap.add_argument('--xla', default=';xla_gpu_enable_dynamic_slice_fusion=true')
+  ap.add_argument('--warmup', type=int, default=3)
+  ap.add_argument('--iters', type=int, default=20)
+  ap.add_argument('--copy_bytes', type=int, default=1 << 31)
+  args = compilation_cache.parse_args(ap)
+  dtype = jnp.dtype(args.dtype)
+  print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
+  bandwidth = floors.hbm_bandwidth(args.copy_bytes)
+  blk = block(args.width, args.heads, dtype)
+  c, h, rows = args.width, args.heads, 2
+  keys = jax.random.split(jax.random.key(0), args.depth)
+  x0 = jnp.zeros((rows, 1, c), dtype)
+  per_layer = [jax.jit(blk.init)(k, x0, jnp.zeros((rows, 6, c), dtype))['params'] for k in keys]
+  per_layer = [jax.tree.map(lambda a: a.astype(dtype), p) for p in per_layer]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+  weights = floors.weight_bytes(per_layer, dtype)
+  mods = jax.random.normal(jax.random.key(1), (args.depth, rows, 6, c), dtype) * 0.1
+  print(f'{args.depth} blocks of width {c}: {weights / 1e9:.2f} GB of weights; floor at '
+        f'{bandwidth / 1e9:.0f} GB/s: {weights / bandwidth * 1e3:.3f} ms', flush=True)
+  for l in [int(t) for t in args.tokens.split(',')]:
+    shape = (args.depth, rows, args.cache + l, h, c // h)
+    kv_all = jax.random.normal(jax.random.key(2), (2,) + shape, dtype)
+    x = jax.random.normal(jax.random.key(3), (rows, l, c), dtype)
+    programs = {
+        'unrolled': (jax.jit(lambda p, x, m, k, v: unrolled(blk, p, x, m, k, v, args.cache)),
+                     (per_layer, x, list(mods), list(kv_all[0]), list(kv_all[1]))),
+        'scan': (jax.jit(lambda p, x, m, k, v: scanned(blk, p, x, m, k, v, args.cache)),
+                 (stacked, x, mods, kv_all[0], kv_all[1])),
+    }
+    outputs = {}
+    for options in xla_variants(args.xla):
+      for name, (fn, inputs) in programs.items():
+        compiled, row = time_compiled(fn.lower(*inputs), lambda i: inputs, 1, args.warmup, args.iters, options)
+        outputs[name] = compiled(*inputs)
+        print(f"l={l:<5} {name:8} {str(options or 'XLA defaults'):45} compile {row['compile_s']:6.1f} s  "
+              f"median {row['median_ms']:8.3f} ms  {row['median_ms'] / (weights / bandwidth * 1e3):5.2f}x the "
+              f'weight floor', flush=True)
+      diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                 for a, b in zip(jax.tree.leaves(outputs['unrolled']), jax.tree.leaves(outputs['scan'])))
+      print(f'l={l:<5} scan against unrolled: max abs difference {diff:.3g}', flush=True)
+
+
+if __name__ == '__main__':
+  main()
