@@ -22,7 +22,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import floors
 from sampling import compilation_cache
