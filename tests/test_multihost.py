@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import TEST_XLA_FLAGS
 from imagenet_tars import write_tars
 from train import launch
 from train.builtin_classifier import BuiltinMetrics
@@ -33,7 +34,7 @@ def _job(workdir, args, n=2, launch_env=launch.coordinator_env, per_process=None
   """n processes of `python *run *args *per_process[i]` with 4 / n CPU devices each (default per-process
   arguments: --workdir=workdir); logs in workdir/logs."""
   per_process = per_process or [[f'--workdir={workdir}']] * n
-  env = {'JAX_PLATFORMS': 'cpu', 'JAX_NUM_CPU_DEVICES': str(4 // n), 'XLA_FLAGS': ''}
+  env = {'JAX_PLATFORMS': 'cpu', 'JAX_NUM_CPU_DEVICES': str(4 // n), 'XLA_FLAGS': TEST_XLA_FLAGS}
   return launch.Job(workdir / 'logs', [[*run, *args, *extra] for extra in per_process], [env] * n, launch_env)
 
 

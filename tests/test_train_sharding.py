@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from conftest import TEST_XLA_FLAGS
 from test_train_loop import toy_config, toy_family  # noqa: F401  (the fixture registers the toy family)
 from train import mesh as mesh_lib, multihost
 from train.trainer import Trainer
@@ -125,7 +126,7 @@ def test_a_single_process_starts_without_the_distributed_runtime(monkeypatch):
 def test_eight_devices_with_fsdp_match_one_device(tmp_path):
   out = str(tmp_path / 'eight.npz')
   script = EIGHT_DEVICES.format(tests=TESTS, wide=WIDE, workdir=str(tmp_path / 'eight'), out=out)
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8', JAX_PLATFORMS='cpu',
+  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}', JAX_PLATFORMS='cpu',
              PYTHONPATH=os.pathsep.join([REPO, os.environ.get('PYTHONPATH', '')]))
   proc = subprocess.run([sys.executable, '-c', script], env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
