@@ -29,7 +29,7 @@ from absl import app, flags
 from accel import metrics
 from accel.fidelity import compare, parse_seeds
 from accel.specs import policy_from_spec
-from sampling import compilation_cache, family_from_config, sampling_from_config
+from sampling import compilation_cache, sampling_from_config
 from sampling import flags as sf
 from var_models.nn.checks import check_labels
 
@@ -69,7 +69,7 @@ def main(argv):
   policies = {spec: policy_from_spec(spec, sampling.name) for spec in _POLICY.value}
   for policy in policies.values():   # settings that do not fit the model fail here, before the parameters
     sampling.make(policy)
-  family = family_from_config(config, sf.CKPT.value, sf.overrides(config.family, _CFG.value))
+  family = sampling.with_params(sampling.load(sf.CKPT.value, jax.random.key(0)))
   lpips_params = metrics.load_lpips(_LPIPS.value) if _LPIPS.value else None
   print(f'device: {jax.devices()[0].device_kind}; {len(seeds)} images, batch {batch}, {family.options}', flush=True)
   print(compare(family, policies, seeds, labels, batch, _OUT.value, lpips_params, _GRID.value))

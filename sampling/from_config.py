@@ -64,6 +64,10 @@ class Sampling:
     """Every option, as results record them."""
     return {**self.settings, **self.opts}
 
+  def with_params(self, params) -> 'Family':
+    """This way of sampling with `params` (from `load`, or another Family's of the same model)."""
+    return Family(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Sampling)}, params=params)
+
 
 @dataclasses.dataclass(frozen=True)
 class Family(Sampling):
@@ -133,5 +137,4 @@ def family_from_config(config, ckpt: Optional[str] = None, overrides: Optional[d
   """`sampling_from_config(config, overrides)` with the parameters of `ckpt` (None: random weights,
   drawn with `key`, default key(0))."""
   s = sampling_from_config(config, overrides)
-  params = s.load(ckpt, jax.random.key(0) if key is None else key)
-  return Family(**{f.name: getattr(s, f.name) for f in dataclasses.fields(Sampling)}, params=params)
+  return s.with_params(s.load(ckpt, jax.random.key(0) if key is None else key))

@@ -20,7 +20,6 @@ from var_models.var.model import VARConfig, init_params
 TINY_PATCH_NUMS = (1, 2, 3, 4)
 
 
-
 def pytest_configure(config):
   """The programs the tests start (`python -m train` ...) share one persistent compilation cache for the
   session (made by the controlling process, before any worker starts), never the one in ~/.cache."""

@@ -69,6 +69,17 @@ def test_a_rerun_samples_only_the_missing_shard_and_the_same_bytes(copy):
     _evaluate(copy, '--nobuiltin', '--seed', '4')
 
 
+def test_each_guidance_scale_is_a_run_of_its_own_with_the_same_parameters(copy, tmp_path_factory):
+  rows = _evaluate(copy, '--nobuiltin', '--cfg', '1.5,3')
+  assert sorted(rows) == ['cfg_1.5', 'cfg_3'] and rows['cfg_3']['options']['cfg'] == 3.0
+  alone = tmp_path_factory.mktemp('cfg_3_alone')
+  _evaluate(alone, '--nobuiltin', '--cfg', '3')
+  names = _shards(copy / 'cfg_3')
+  assert names == _shards(alone / 'cfg_3') and len(names) == 3
+  for name in names:
+    assert (copy / 'cfg_3' / name).read_bytes() == (alone / 'cfg_3' / name).read_bytes()
+
+
 class _SmallInception(nn.Module):
   """FIDInceptionV3's outputs, 16 / 10 / 12 wide: the real network's 2048-wide FID costs a CPU ~20 s
   (its matrix square root), and tests/test_inception.py checks the network itself."""

@@ -44,7 +44,7 @@ import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
-from sampling import compilation_cache, family_from_config
+from sampling import compilation_cache, family_from_config, sampling_from_config
 from sampling import flags as sf
 from train import multihost
 from train.builtin_classifier import BuiltinMetrics
@@ -295,7 +295,7 @@ def main(argv):
   rows = {}
   for cfg in cfgs:
     if cfg != cfgs[0]:
-      family = family_from_config(config, sf.CKPT.value, sf.overrides(config.family, cfg), pkey)
+      family = sampling_from_config(config, sf.overrides(config.family, cfg)).with_params(family.params)
     name = _run_name(family, _POLICY.value)
     rows[name] = evaluate_run(family, labels, batch, key, os.path.join(out, name), inception, ref, builtin)
   if jax.process_index() == 0:
