@@ -51,6 +51,40 @@ print(json.dumps(dict(rows=rows, hidden=str(state.params['hidden'].sharding.spec
                       mesh=dict(trainer.mesh.shape))))
 '''
 
+# Each family's small config compiled (not run) for `per_device` rows on every device: the train
+# step's temporaries per device, in bytes.
+STEP_TEMPORARIES = r'''
+import json, sys
+import jax
+sys.path.insert(0, {tests!r})
+from test_train_families import small_ecar, small_mar, small_var
+from train import mesh as mesh_lib
+from train.trainer import Trainer
+
+out = {{}}
+for name, build in (('var', small_var), ('mar', small_mar), ('ecar', small_ecar)):
+  config = build()
+  config.model.update({{'diffusion_batch_mul': 4}} if name == 'mar' else {{}})
+  config.train.batch_size = config.data.num_examples = {per_device} * jax.device_count()
+  trainer = Trainer(config, f'{workdir}/{{name}}')
+  compiled, _ = trainer.compile_step(mesh_lib.global_batch(trainer.mesh, trainer.loader.batch(0)))
+  out[name] = compiled.memory_analysis().temp_size_in_bytes
+print(json.dumps(out))
+'''
+
+
+def run_on_cpu_devices(script: str, devices: int) -> subprocess.Popen:
+  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}',
+             JAX_PLATFORMS='cpu', PYTHONPATH=os.pathsep.join([REPO, os.environ.get('PYTHONPATH', '')]))
+  return subprocess.Popen([sys.executable, '-c', script], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def last_json_line(proc: subprocess.Popen):
+  stdout, stderr = proc.communicate(timeout=300)
+  assert proc.returncode == 0, stderr[-3000:]
+  return json.loads(stdout.strip().splitlines()[-1])
+
 
 def test_param_spec_splits_the_largest_divisible_dimension_over_fsdp():
   assert mesh_lib.param_spec((4096, 1024), 2) == P('fsdp', None)
@@ -126,11 +160,7 @@ def test_a_single_process_starts_without_the_distributed_runtime(monkeypatch):
 def test_eight_devices_with_fsdp_match_one_device(tmp_path):
   out = str(tmp_path / 'eight.npz')
   script = EIGHT_DEVICES.format(tests=TESTS, wide=WIDE, workdir=str(tmp_path / 'eight'), out=out)
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}', JAX_PLATFORMS='cpu',
-             PYTHONPATH=os.pathsep.join([REPO, os.environ.get('PYTHONPATH', '')]))
-  proc = subprocess.run([sys.executable, '-c', script], env=env, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  report = last_json_line(run_on_cpu_devices(script, 8))
   assert report['mesh'] == {'data': 4, 'fsdp': 2}
   # Each device holds its own row of the 8-row batch, with the host's data.
   assert report['rows'] == [[i, i + 1, 1] for i in range(8)]
@@ -147,3 +177,13 @@ def test_eight_devices_with_fsdp_match_one_device(tmp_path):
   np.testing.assert_allclose(eight['hidden'], np.asarray(one.state.params['hidden']), rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(eight['out'], np.asarray(one.state.params['out']), rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(eight['ema'], np.asarray(one.state.ema_params['out']), rtol=1e-4, atol=1e-5)
+
+
+def test_a_data_parallel_step_needs_per_device_what_one_device_needs_for_its_rows(tmp_path):
+  """Two devices at twice the batch hold each row's activations once: nothing of the step runs on
+  the whole batch on every device (MAR's repeated DiffLoss rows once did, 1.25x the temporaries)."""
+  procs = {n: run_on_cpu_devices(STEP_TEMPORARIES.format(tests=TESTS, per_device=8, workdir=str(tmp_path / str(n))), n)
+           for n in (1, 2)}
+  temporaries = {n: last_json_line(proc) for n, proc in procs.items()}
+  for family, one in temporaries[1].items():
+    assert temporaries[2][family] <= 1.1 * one, (family, temporaries)

@@ -298,6 +298,20 @@ class Trainer:
 
   # ---- loop ----
 
+  def compile_step(self, batch: dict):
+    """The train step compiled for this mesh, the state's shardings and the global arrays of `batch`
+    -> (compiled, matmul FLOPs per device). Prints the temporaries it needs per device."""
+    compiled, _, flops = compile_train_step(
+        self.task, self.tx, self.schedule, self.t, self.mesh, self.shardings, self.state, self.frozen, batch,
+        # One process has no peer to compare with: skip printing the program's text.
+        check_lowered=(functools.partial(multihost.check_same_program, 'train step')
+                       if jax.process_count() > 1 else None))
+    memory = compiled.memory_analysis()
+    if memory is not None:
+      print(f'process {jax.process_index()}: train step per device: temporaries '
+            f'{memory.temp_size_in_bytes / 2 ** 30:.3f} GiB')
+    return compiled, flops
+
   def run(self) -> Result:
     """Steps to config.train.steps (or a preemption); always leaves the checkpoints consistent."""
     if self.is_main:
@@ -319,11 +333,7 @@ class Trainer:
       data = self._data_iterator(start)
       first = self._next_batch(data, start)
     with self.startup.phase('compile the train step'):
-      step_fn, _, flops = compile_train_step(
-          self.task, self.tx, self.schedule, t, self.mesh, self.shardings, self.state, self.frozen, first,
-          # One process has no peer to compare with: skip printing the program's text.
-          check_lowered=(functools.partial(multihost.check_same_program, 'train step')
-                         if jax.process_count() > 1 else None))
+      step_fn, flops = self.compile_step(first)
     with self.startup.phase('every process compiled'):
       multihost.barrier('train step compiled')   # the first step's collectives start together
     meter = _Meter(t, flops,

@@ -193,19 +193,23 @@ def init_diffloss(cfg: DiffLossConfig, key: Array) -> dict:
 
 
 def diffloss_loss(net: SimpleMLPAdaLN, params, target: Array, z: Array, mask: Optional[Array], key: Array,
-                  *, diffusion: Optional[GaussianDiffusion] = None) -> Array:
-  """Scalar DiffLoss: t ~ U{0..T-1}, eps ~ N(0, I) per row; per-row MSE + VB, averaged over
-  rows where mask [N] is set (sum(loss * mask) / sum(mask)), or all rows without a mask.
-  target [N, C], z [N, Cz]; diffusion defaults to the full 1000-step cosine process."""
+                  *, repeats: int = 1, diffusion: Optional[GaussianDiffusion] = None) -> Array:
+  """Scalar DiffLoss of target [N, C] under condition z [N, Cz]: every row denoised `repeats` times
+  (the official's diffusion_batch_mul copies, repeat-major), each with its own t ~ U{0..T-1} and
+  eps ~ N(0, I); per-row MSE + VB, averaged over the repeats and the rows where mask [N] is set
+  (sum(loss * mask) / sum(mask)), or over all rows without a mask. The repeats are a vmapped axis,
+  not copies of the rows: a batch split over devices stays split (a copied row axis cannot be).
+  diffusion defaults to the full 1000-step cosine process."""
   diffusion = diffusion or create_diffusion(None)
   k_t, k_noise = jax.random.split(key)
-  t = jax.random.randint(k_t, (target.shape[0],), 0, diffusion.num_timesteps)
-  noise = jax.random.normal(k_noise, target.shape, jnp.float32)
+  t = jax.random.randint(k_t, (repeats, target.shape[0]), 0, diffusion.num_timesteps)
+  noise = jax.random.normal(k_noise, (repeats,) + target.shape, jnp.float32)
+  x0 = target.astype(jnp.float32)
   model_fn = lambda x, tm: net.apply({'params': params}, x, tm, z)
-  loss = diffusion.training_losses(model_fn, target.astype(jnp.float32), t, noise)['loss']
+  loss = jax.vmap(lambda tr, nr: diffusion.training_losses(model_fn, x0, tr, nr)['loss'])(t, noise)
   if mask is None:
     return jnp.mean(loss)
-  mask = mask.astype(loss.dtype)
+  mask = jnp.broadcast_to(mask.astype(loss.dtype), loss.shape)
   return jnp.sum(loss * mask) / jnp.sum(mask)
 
 

@@ -312,9 +312,9 @@ class MAR(nn.Module):
     k_mask, k_diff = jax.random.split(self.make_rng('mask'))
     mask = random_mask(cfg, k_mask, b)
     z = self.decode(self.encode(tokens, mask, self.class_embedding(labels), train=train), mask, train=train)
-    rep = lambda a: jnp.tile(a.reshape(b * n, -1), (cfg.diffusion_batch_mul, 1))
-    return diffloss_loss(diffloss_net(cfg), self.diffloss, rep(tokens), rep(z), rep(mask)[:, 0], k_diff,
-                         diffusion=cfg.diffloss_config().train_diffusion())
+    rows = lambda a: a.reshape(b * n, -1)
+    return diffloss_loss(diffloss_net(cfg), self.diffloss, rows(tokens), rows(z), mask.reshape(b * n), k_diff,
+                         repeats=cfg.diffusion_batch_mul, diffusion=cfg.diffloss_config().train_diffusion())
 
 
 def loss_fn(model: MAR, params, latents: Array, labels: Array, key: Array, *, train: bool = True) -> Array:
