@@ -27,7 +27,6 @@ the baseline's split is every accelerator's ceiling.
 from __future__ import annotations
 
 import argparse
-import collections
 import concurrent.futures
 import itertools
 import json
@@ -44,7 +43,7 @@ from accel import LazyMAR, policy_from_spec
 from accel.fidelity import peak_bytes
 from accel.lazymar_flops import lazymar_sampling_flops, official_extra
 from accel.timing import compiled_in
-from timing import call_times, device_events, print_top_device_ops
+from timing import call_times, device_events, kernel_class, line_splits, print_top_device_ops
 from var_models.flop_count import flops
 from var_models.mar import model as mar_model
 from var_models.mar.flops import sampling_flops
@@ -128,43 +127,19 @@ def time_calls(compiled, make_args, warmup: int, iters: int) -> float:
   return statistics.median(call_times(compiled, make_args, warmup, iters)) * 1e3
 
 
-def kind(name: str) -> str:
-  """A kernel's class by its name: GEMMs (cuBLAS, CUTLASS, XLA's, the dense-GELU kernel), cuDNN
-  attention, convolutions (the VQVAE's), the rest."""
-  n = name.lower()
-  if any(s in n for s in ('sdpa', 'flash', 'fmha', 'attention')):
-    return 'attention'
-  if any(s in n for s in ('fprop', 'conv', 'dgrad', 'implicit')):
-    return 'conv'
-  # The only Mosaic GPU kernel of a sampler on cuDNN attention is fc1 + GELU (pallas_kernels.dense_gelu).
-  if any(s in n for s in ('gemm', 'nvjet', 'xmma', 'cutlass', 'mosaic', 'matmul', 'dot')):
-    return 'gemm'
-  return 'other'
-
-
 def profile_split(compiled, make_args, logdir: str, num_scales: int, depth: int) -> list[str]:
   """Per timeline line: ms per kernel class, and attention per scale when the line holds one attention
   kernel per (scale, block) (in time order)."""
   events = device_events(lambda: jax.block_until_ready(compiled(*make_args(7))), logdir)
-  lines = collections.defaultdict(list)
-  for line, name, ts, dur in events:
-    lines[line].append((name, ts, dur))
   out = []
-  for line, evs in lines.items():
-    split = collections.Counter()
-    for name, _, dur in evs:
-      split[kind(name)] += dur / 1e3
-    span = (max(ts + d for _, ts, d in evs) - min(ts for _, ts, _ in evs)) / 1e3
-    text = ', '.join(f'{k} {v:.2f}' for k, v in split.most_common())
-    out.append(f'  [{line[:40]}] busy {sum(split.values()):.2f} ms of a {span:.2f} ms span: {text}')
-    attn = [dur / 1e3 for name, _, dur in evs if kind(name) == 'attention']
+  for line, (busy, span, by_class, by_name) in line_splits(events).items():
+    text = ', '.join(f'{k} {v:.2f}' for k, v in by_class.most_common())
+    out.append(f'  [{line[:40]}] busy {busy:.2f} ms of a {span:.2f} ms span: {text}')
+    attn = [dur / 1e3 for ln, name, _, dur in events if ln == line and kernel_class(name) == 'attention']
     if len(attn) == num_scales * depth:
       per = [sum(attn[s * depth:(s + 1) * depth]) for s in range(num_scales)]
       out.append('    attention per scale, ms: ' + ' '.join(f'{p:.2f}' for p in per))
-    top = collections.Counter()
-    for name, _, dur in evs:
-      top[name[:90]] += dur / 1e3
-    out.extend(f'    {ms:8.2f} ms  {kind(n):9} {n}' for n, ms in top.most_common(12))
+    out.extend(f'    {ms:8.2f} ms  {kernel_class(n):10} {n}' for n, ms in by_name.most_common(12))
   return out
 
 

@@ -95,3 +95,40 @@ def print_top_device_ops(run: Callable[[], None], logdir: str, top: int = 30) ->
   print(f'  device lines, busy ms in one call: {busy}', flush=True)
   for line, name, ms, n in ops:
     print(f'  {ms:8.2f} ms  x{n:<6} [{line[:20]}] {name[:100]}', flush=True)
+
+
+# Kernel classes by name, first match wins: cuDNN / Pallas attention, convolutions, GEMMs (cuBLAS,
+# CUTLASS, Triton, Mosaic GPU: the only Mosaic kernels outside attention are GEMM-shaped), NCCL
+# collectives, then XLA's own fusions by their kind (reductions: norms, loss, softmax; copies and
+# transposes; the rest elementwise).
+KERNEL_CLASSES = (
+    ('attention', ('sdpa', 'flash', 'fmha', 'attention')),
+    ('conv', ('fprop', 'conv', 'dgrad', 'wgrad', 'implicit')),
+    ('gemm', ('gemm', 'nvjet', 'xmma', 'cutlass', 'mosaic', 'matmul', 'dot')),
+    ('collective', ('nccl', 'all-reduce', 'all_reduce', 'allreduce', 'all-gather', 'reduce-scatter')),
+    ('reduce', ('reduce', 'scatter')),
+    ('copy', ('copy', 'transpose', 'memcpy', 'memset', 'dynamic_update_slice', 'concatenate')),
+)
+
+
+def kernel_class(name: str) -> str:
+  """A kernel's class (KERNEL_CLASSES) by its name; 'elementwise' for the rest."""
+  n = name.lower()
+  return next((cls for cls, keys in KERNEL_CLASSES if any(k in n for k in keys)), 'elementwise')
+
+
+def line_splits(events) -> dict:
+  """`device_events` -> {line: (busy ms, span ms, {class: ms}, {kernel name: ms})}."""
+  lines = collections.defaultdict(list)
+  for line, name, ts, dur in events:
+    lines[line].append((name, ts, dur))
+  out = {}
+  for line, evs in lines.items():
+    by_class, by_name = collections.Counter(), collections.Counter()
+    for name, _, dur in evs:
+      by_class[kernel_class(name)] += dur / 1e3
+      by_name[name[:90]] += dur / 1e3
+    span = (max(ts + d for _, ts, d in evs) - min(ts for _, ts, _ in evs)) / 1e3
+    out[line] = (sum(by_class.values()), span, by_class, by_name)
+  return out
+

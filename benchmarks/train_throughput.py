@@ -33,7 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from floors import hbm_bandwidth
 from sampling import compilation_cache
+from timing import device_events, kernel_class, line_splits
 from train import mesh as mesh_lib
 from train import throughput
 from train.optimizer import lr_schedule, make_optimizer
@@ -80,6 +82,7 @@ def build(config, task, devices: int, batch: dict):
 
 
 def time_steps(config, task, devices: int, per_device: int, args) -> dict:
+  """The row of one model and device count; with --profile, one more step traced (`profile_step`)."""
   batch = random_batch(task, per_device * devices, args.encode, 0)
   step, state, frozen, glob, compile_s, flops = build(config, task, devices, batch)
   times = []
@@ -91,9 +94,33 @@ def time_steps(config, task, devices: int, per_device: int, args) -> dict:
       times.append(time.perf_counter() - t0)
   med = statistics.median(times)
   peak = throughput.peak_flops(jax.devices()[0], args.peak_flops)
+  if args.profile:
+    profile_step(lambda s: step(s, frozen, glob), state, med, flops, peak, args,
+                 f'{args.profile}/{config.family}_{config.variant}_{devices}')
   mfu = throughput.mfu(flops, 1 / med, peak)
   return dict(devices=devices, batch=per_device * devices, compile_s=compile_s, step_ms=med * 1e3,
               images_per_s=per_device * devices / med, mfu=mfu, loss=float(metrics['loss']))
+
+
+def profile_step(step, state, step_s: float, flops: float, peak, args, logdir: str) -> None:
+  """Traces one step(state) on the first device and prints each timeline line's busy time against
+  the step's median, its ms per kernel class and top kernels; beside them the step's floors: its
+  matmul FLOPs at the peak, and the state update's bytes (params, EMA and optimizer state read and
+  written, the gradients written and read) at the bandwidth of a device-to-device copy."""
+  update = 2 * throughput.bytes_on_device((state.params, state.ema_params, state.opt_state), jax.devices()[0])
+  update += 2 * throughput.bytes_on_device(state.params, jax.devices()[0])
+  events = device_events(lambda: jax.block_until_ready(step(state)), logdir)   # donates state
+  floors = [f'matmul {flops / peak * 1e3:.2f} ms at the peak' if peak else 'no peak known',
+            f'state update {update / 1e9:.2f} GB = {update / args.bandwidth * 1e3:.2f} ms at '
+            f'{args.bandwidth / 1e9:.0f} GB/s']
+  print(f'  profile, step median {step_s * 1e3:.2f} ms; floors: {", ".join(floors)}', flush=True)
+  for line, (busy, span, by_class, by_name) in line_splits(events).items():
+    if busy < 0.05 * step_s * 1e3:   # lines of a few launches or markers
+      continue
+    split = ', '.join(f'{k} {v:.2f} ({100 * v / busy:.0f} %)' for k, v in by_class.most_common())
+    print(f'  [{line[:30]}] busy {busy:.2f} ms of a {span:.2f} ms span: {split}', flush=True)
+    for name, ms in by_name.most_common(args.profile_top):
+      print(f'    {ms:8.2f} ms  {kernel_class(name):10} {name}', flush=True)
 
 
 def count_flops(config, task, batch: int) -> tuple[float, float]:
@@ -134,6 +161,9 @@ def main():
   p.add_argument('--attn_backend', default=None, help='override config.attn_backend')
   p.add_argument('--peak_flops', type=float, default=0.0, help='per-device peak FLOP/s (default: by device kind)')
   p.add_argument('--count', action='store_true', help="print the step's FLOPs (jaxpr, XLA), run nothing")
+  p.add_argument('--profile', default='', help='trace one more step of each row under this folder and print '
+                 'where its time goes beside its floors')
+  p.add_argument('--profile_top', type=int, default=15, help='kernels listed per timeline line')
   args = compilation_cache.parse_args(p)
   if args.count:
     for spec in args.models.split(','):
@@ -148,6 +178,7 @@ def main():
   if any(args.batch_per_device % n for n in counts):
     raise SystemExit(f'--batch_per_device {args.batch_per_device} must split evenly over --devices {args.devices} '
                      'for the loss check')
+  args.bandwidth = hbm_bandwidth(1 << 30) if args.profile else None
   print(f'{jax.devices()[0].device_kind} x {jax.device_count()}, jax {jax.__version__}, '
         f'{args.batch_per_device} images per device, {"images" if args.encode else "cached latents"}')
   print('| model | devices | global batch | compile s | step ms | images/s | MFU | scaling |')
