@@ -15,6 +15,12 @@ split over the devices) x steps/s over the device's dense bf16 peak.
 --count runs nothing: it prints the step's matmul FLOPs as counted on its jaxpr (MFU's numerator)
 and as XLA counts them after its optimisations (its cost analysis of the compiled step, which
 leaves out cuBLAS/cuDNN calls on a GPU: run it on the CPU with --attn_backend xla), one device.
+--fit runs nothing either: from XLA's buffer assignment of the step at --batch_per_device and twice
+that, the largest batch per device that fits the device's memory pool.
+--profile DIR traces one more step of each row and prints where its time goes: each timeline
+line's busy time against the step's median, ms per kernel class (GEMMs, attention, reductions,
+copies, elementwise, collectives), the top kernels; beside them the step's floors, its matmul FLOPs
+at the peak and its state update's bytes at the bandwidth of a device-to-device copy.
 
 Then, for each N > 1, the first --check_steps losses on N devices against one
 device at the same global batch, batch_per_device (what one device holds; the N
@@ -123,19 +129,46 @@ def profile_step(step, state, step_s: float, flops: float, peak, args, logdir: s
       print(f'    {ms:8.2f} ms  {kernel_class(name):10} {name}', flush=True)
 
 
-def count_flops(config, task, batch: int) -> tuple[float, float]:
-  """(jaxpr matmul FLOPs, XLA's compiled FLOPs) of one step at `batch` images on one device, from
-  abstract arrays (nothing allocated but the compiled program)."""
+def abstract_step(config, task, batch: int):
+  """The train step traced on abstract arrays at `batch` images on one device, the state donated
+  (nothing allocated but what compiling it needs)."""
   t = config.train
   schedule = lr_schedule(t)
   tx = make_optimizer(t, schedule)
   state = jax.eval_shape(lambda k: init_state(task.init, tx, k), jax.random.key(t.seed))
   frozen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), task.frozen)
-  traced = jax.jit(make_train_step(task, tx, schedule, t.grad_accum, t.ema_decay)).trace(
+  return jax.jit(make_train_step(task, tx, schedule, t.grad_accum, t.ema_decay), donate_argnums=0).trace(
       state, frozen, random_batch(task, batch, False, 0))
+
+
+def count_flops(config, task, batch: int) -> tuple[float, float]:
+  """(jaxpr matmul FLOPs, XLA's compiled FLOPs) of one step at `batch` images on one device."""
+  traced = abstract_step(config, task, batch)
   cost = traced.lower().compile().cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   return flop_count.jaxpr_flops(traced.jaxpr.jaxpr), float(cost['flops'])
+
+
+def step_bytes(config, task, batch: int) -> int:
+  """Device bytes of one step at `batch` images on one device, from XLA's buffer assignment: its
+  arguments, the outputs that do not reuse a donated argument's buffer, and its temporaries."""
+  m = abstract_step(config, task, batch).lower().compile().memory_analysis()
+  return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+def largest_batch(config, task, batch: int) -> str:
+  """The step's bytes at `batch` and 2 x `batch` images, and the largest multiple of 8 images whose
+  bytes, on the line through those two, fit the device's memory pool (XLA's temporaries grow in
+  proportion to the batch; the state does not)."""
+  one, two = step_bytes(config, task, batch), step_bytes(config, task, 2 * batch)
+  per_image, fixed = (two - one) / batch, 2 * one - two
+  limit = (jax.devices()[0].memory_stats() or {}).get('bytes_limit')
+  text = (f'{batch} images {one / 2 ** 30:.2f} GiB, {2 * batch} images {two / 2 ** 30:.2f} GiB: '
+          f'{fixed / 2 ** 30:.2f} GiB + {per_image / 2 ** 20:.1f} MiB per image')
+  if not limit or per_image <= 0:
+    return text
+  fits = int((limit - fixed) / per_image) // 8 * 8
+  return f'{text}; the pool holds {limit / 2 ** 30:.2f} GiB: at most {fits} images per device'
 
 
 def first_losses(config, task, devices: int, batch: int, steps: int, encode: bool) -> list[float]:
@@ -161,14 +194,20 @@ def main():
   p.add_argument('--attn_backend', default=None, help='override config.attn_backend')
   p.add_argument('--peak_flops', type=float, default=0.0, help='per-device peak FLOP/s (default: by device kind)')
   p.add_argument('--count', action='store_true', help="print the step's FLOPs (jaxpr, XLA), run nothing")
+  p.add_argument('--fit', action='store_true', help='print the largest batch per device whose step fits the '
+                 "device's memory (two compiles, no step run)")
   p.add_argument('--profile', default='', help='trace one more step of each row under this folder and print '
                  'where its time goes beside its floors')
   p.add_argument('--profile_top', type=int, default=15, help='kernels listed per timeline line')
   args = compilation_cache.parse_args(p)
-  if args.count:
+  if args.count or args.fit:
     for spec in args.models.split(','):
       config = load_config(spec, args.batch_per_device, dict(dtype=args.dtype, attn_backend=args.attn_backend))
-      jaxpr, xla = count_flops(config, make_task(config), args.batch_per_device)
+      task = make_task(config)
+      if args.fit:
+        print(f'{spec}: {largest_batch(config, task, args.batch_per_device)}', flush=True)
+        continue
+      jaxpr, xla = count_flops(config, task, args.batch_per_device)
       print(f'{spec}, {args.batch_per_device} images: jaxpr matmul {jaxpr / 1e12:.3f} TFLOP, XLA {xla / 1e12:.3f} '
             f'TFLOP ({jax.devices()[0].device_kind})', flush=True)
     return
