@@ -14,7 +14,9 @@ loss logged every step, no checkpoints but the preemption's; --runs picks them, 
   single  one process of one GPU at the per-GPU batch (--batch / N): the base of the scaling;
   fsdp    `many` with the parameters, EMA and optimizer state split over the N GPUs (mesh fsdp N).
 Printed: per run, images/s and MFU over the steps after --warmup (from the times each step's loss
-was logged), each process's peak GPU memory, the train state per GPU and the start-up phases; the
+was logged), each process's peak GPU memory, the train state and the step's temporaries per GPU
+(XLA's buffer assignment: equal in `single` and `many` where nothing runs on the whole batch on
+every GPU) and the start-up phases; the
 scaling of `one` and `many` over `single`; the largest relative difference of the losses of `one`,
 `fsdp` and the resumed run from the reference (`many`, else `one`), the resumed run's before the
 preemption too (the run-to-run floor); every run's losses at full precision. The runs share one
@@ -84,7 +86,8 @@ def report(args, workdir: str, j: launch.Job, batch: int, first: int = 0) -> dic
   return {'losses': {step: value for step, value, _ in scalars['loss']}, 'images_per_s': images_per_s,
           'mfu': mfu,
           'memory_gib': [last(r'peak device memory ([0-9.]+) GiB', i) for i in range(len(j.procs))],
-          'state_gib': last(r'train state per device: (params [^\n]+)', 0), 'startup': startup_seconds(j)}
+          'state_gib': last(r'train state per device: (params [^\n]+)', 0),
+          'temporaries_gib': last(r'train step per device: temporaries ([0-9.]+) GiB', 0), 'startup': startup_seconds(j)}
 
 
 def max_relative(a: dict, b: dict, steps) -> float:
@@ -110,12 +113,13 @@ def preempted_and_resumed(args, base: str) -> tuple[int, dict]:
 
 
 def print_tables(rows: dict) -> None:
-  print('| run | images/s | MFU | peak memory per process GiB | train state per GPU (process 0) |\n'
-        '| --- | ---: | ---: | --- | --- |')
+  print('| run | images/s | MFU | peak memory per process GiB | train state per GPU (process 0) | step temporaries GiB |\n'
+        '| --- | ---: | ---: | --- | --- | ---: |')
   for name, r in rows.items():
     ips = f"{r['images_per_s']:.1f}" if r['images_per_s'] else '-'
     mfu = f"{100 * r['mfu']:.1f} %" if r['mfu'] else '-'
-    print(f"| {name} | {ips} | {mfu} | {', '.join(m or '-' for m in r['memory_gib'])} | {r['state_gib'] or '-'} |")
+    print(f"| {name} | {ips} | {mfu} | {', '.join(m or '-' for m in r['memory_gib'])} | {r['state_gib'] or '-'} | "
+          f"{r['temporaries_gib'] or '-'} |")
   phases = list(next(iter(rows.values()))['startup'][0])
   print('\nstart-up, seconds per phase (slowest process)\n| run | ' + ' | '.join(phases) + ' |\n|' + ' --- |' * (len(phases) + 1))
   for name, r in rows.items():
