@@ -16,10 +16,10 @@ loss logged every step, no checkpoints but the preemption's; --runs picks them, 
 Printed: per run, images/s and MFU over the steps after --warmup (from the times each step's loss
 was logged), each process's peak GPU memory, the train state and the step's temporaries per GPU
 (XLA's buffer assignment: equal in `single` and `many` where nothing runs on the whole batch on
-every GPU) and the start-up phases; the
-scaling of `one` and `many` over `single`; the largest relative difference of the losses of `one`,
-`fsdp` and the resumed run from the reference (`many`, else `one`), the resumed run's before the
-preemption too (the run-to-run floor); every run's losses at full precision. The runs share one
+every GPU) and the start-up phases; the scaling of `one` and `many` over `single`; the largest
+relative difference of the losses of `one`, `fsdp` and the resumed run from the reference (`many`,
+else `one`), the resumed run's before the preemption too (the run-to-run floor); every run's losses
+at full precision. The runs share one
 compilation cache and, under --config.data.cache_latents=True, one latent cache (encoded by the
 first run). --cpu runs the same on CPU devices (JAX_NUM_CPU_DEVICES) to try the script anywhere.
 The processes inherit the environment: under XLA_FLAGS=--xla_gpu_deterministic_ops=true GPU

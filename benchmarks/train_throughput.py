@@ -129,38 +129,38 @@ def profile_step(step, state, step_s: float, flops: float, peak, args, logdir: s
       print(f'    {ms:8.2f} ms  {kernel_class(name):10} {name}', flush=True)
 
 
-def abstract_step(config, task, batch: int):
+def abstract_step(config, task, batch: int, encode: bool):
   """The train step traced on abstract arrays at `batch` images on one device, the state donated
-  (nothing allocated but what compiling it needs)."""
+  (nothing allocated but what compiling it needs); `encode`: the VAE encoder in the step."""
   t = config.train
   schedule = lr_schedule(t)
   tx = make_optimizer(t, schedule)
   state = jax.eval_shape(lambda k: init_state(task.init, tx, k), jax.random.key(t.seed))
   frozen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), task.frozen)
   return jax.jit(make_train_step(task, tx, schedule, t.grad_accum, t.ema_decay), donate_argnums=0).trace(
-      state, frozen, random_batch(task, batch, False, 0))
+      state, frozen, random_batch(task, batch, encode, 0))
 
 
-def count_flops(config, task, batch: int) -> tuple[float, float]:
+def count_flops(config, task, batch: int, encode: bool) -> tuple[float, float]:
   """(jaxpr matmul FLOPs, XLA's compiled FLOPs) of one step at `batch` images on one device."""
-  traced = abstract_step(config, task, batch)
+  traced = abstract_step(config, task, batch, encode)
   cost = traced.lower().compile().cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   return flop_count.jaxpr_flops(traced.jaxpr.jaxpr), float(cost['flops'])
 
 
-def step_bytes(config, task, batch: int) -> int:
+def step_bytes(config, task, batch: int, encode: bool) -> int:
   """Device bytes of one step at `batch` images on one device, from XLA's buffer assignment: its
   arguments, the outputs that do not reuse a donated argument's buffer, and its temporaries."""
-  m = abstract_step(config, task, batch).lower().compile().memory_analysis()
+  m = abstract_step(config, task, batch, encode).lower().compile().memory_analysis()
   return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
-def largest_batch(config, task, batch: int) -> str:
+def largest_batch(config, task, batch: int, encode: bool) -> str:
   """The step's bytes at `batch` and 2 x `batch` images, and the largest multiple of 8 images whose
   bytes, on the line through those two, fit the device's memory pool (XLA's temporaries grow in
   proportion to the batch; the state does not)."""
-  one, two = step_bytes(config, task, batch), step_bytes(config, task, 2 * batch)
+  one, two = step_bytes(config, task, batch, encode), step_bytes(config, task, 2 * batch, encode)
   per_image, fixed = (two - one) / batch, 2 * one - two
   limit = (jax.devices()[0].memory_stats() or {}).get('bytes_limit')
   text = (f'{batch} images {one / 2 ** 30:.2f} GiB, {2 * batch} images {two / 2 ** 30:.2f} GiB: '
@@ -205,9 +205,9 @@ def main():
       config = load_config(spec, args.batch_per_device, dict(dtype=args.dtype, attn_backend=args.attn_backend))
       task = make_task(config)
       if args.fit:
-        print(f'{spec}: {largest_batch(config, task, args.batch_per_device)}', flush=True)
+        print(f'{spec}: {largest_batch(config, task, args.batch_per_device, args.encode)}', flush=True)
         continue
-      jaxpr, xla = count_flops(config, task, args.batch_per_device)
+      jaxpr, xla = count_flops(config, task, args.batch_per_device, args.encode)
       print(f'{spec}, {args.batch_per_device} images: jaxpr matmul {jaxpr / 1e12:.3f} TFLOP, XLA {xla / 1e12:.3f} '
             f'TFLOP ({jax.devices()[0].device_kind})', flush=True)
     return
