@@ -60,10 +60,11 @@ def entry_op_counts(compiled) -> dict:
   return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:8])
 
 
-def device_events(run: Callable[[], None], logdir: str) -> list[tuple[str, str, float, float]]:
-  """Traces run() with the JAX profiler -> [(line, name, start us, duration us)] of the device
-  processes' timeline lines (XLA ops, kernels per stream: each line is a separate view of the
-  same work) of the Perfetto trace, in time order."""
+def trace_events(run: Callable[[], None], logdir: str) -> dict[str, list[tuple[str, str, float, float]]]:
+  """Traces run() with the JAX profiler -> {'device': events, 'host': events}, each event
+  (line, name, start us, duration us) of the Perfetto trace in time order, on one clock. Device
+  lines are XLA ops and kernels per stream (each line a separate view of the same work); host
+  lines are the threads of the processes that launch them (Python, PjRt's execute, XLA's thunks)."""
   with jax.profiler.trace(logdir, create_perfetto_trace=True):
     run()
   path = sorted(glob.glob(f'{logdir}/**/*.trace.json.gz', recursive=True))[-1]
@@ -73,9 +74,17 @@ def device_events(run: Callable[[], None], logdir: str) -> list[tuple[str, str, 
                        for e in events if e.get('ph') == 'M' and e.get('name') == kind}
   processes, threads = meta('process_name'), meta('thread_name')
   device = {pid for pid, name in processes.items() if 'GPU' in name or 'device:' in name}
-  out = [(threads.get((e['pid'], e.get('tid')), str(e.get('tid'))), e['name'], e.get('ts', 0.0), e.get('dur', 0.0))
-         for e in events if e.get('ph') == 'X' and e.get('pid') in device]
-  return sorted(out, key=lambda e: e[2])
+  out = {'device': [], 'host': []}
+  for e in events:
+    if e.get('ph') == 'X':
+      line = threads.get((e['pid'], e.get('tid')), str(e.get('tid')))
+      out['device' if e.get('pid') in device else 'host'].append((line, e['name'], e.get('ts', 0.0), e.get('dur', 0.0)))
+  return {k: sorted(v, key=lambda e: e[2]) for k, v in out.items()}
+
+
+def device_events(run: Callable[[], None], logdir: str) -> list[tuple[str, str, float, float]]:
+  """The device lines of `trace_events`."""
+  return trace_events(run, logdir)['device']
 
 
 def top_device_ops(run: Callable[[], None], logdir: str, top: int = 25):
@@ -97,13 +106,14 @@ def print_top_device_ops(run: Callable[[], None], logdir: str, top: int = 30) ->
     print(f'  {ms:8.2f} ms  x{n:<6} [{line[:20]}] {name[:100]}', flush=True)
 
 
-# Kernel classes by name, first match wins: cuDNN / Pallas attention, convolutions, GEMMs (cuBLAS,
+# Kernel classes by name, first match wins: cuDNN / Pallas attention (with cuDNN's dO.O pre-pass of
+# its backward), convolutions (not XLA's `convert` fusions, which are casts), GEMMs (cuBLAS,
 # CUTLASS, Triton, Mosaic GPU: the only Mosaic kernels outside attention are GEMM-shaped), NCCL
 # collectives, then XLA's own fusions by their kind (reductions: norms, loss, softmax; copies and
 # transposes; the rest elementwise).
 KERNEL_CLASSES = (
-    ('attention', ('sdpa', 'flash', 'fmha', 'attention')),
-    ('conv', ('fprop', 'conv', 'dgrad', 'wgrad', 'implicit')),
+    ('attention', ('sdpa', 'flash', 'fmha', 'attention', 'dot_do_o')),
+    ('conv', ('fprop', 'dgrad', 'wgrad', 'implicit', 'convolution', 'convolve')),
     ('gemm', ('gemm', 'nvjet', 'xmma', 'cutlass', 'mosaic', 'matmul', 'dot')),
     ('collective', ('nccl', 'all-reduce', 'all_reduce', 'allreduce', 'all-gather', 'reduce-scatter')),
     ('reduce', ('reduce', 'scatter')),

@@ -8,9 +8,11 @@ mesh of the first N devices at --batch_per_device images per device, with a
 random batch (no input pipeline) and random frozen tokenizers. E-CAR on VAE latents
 and MAR read pre-computed posteriors (the latent cache), so the step holds only the
 trained model; --encode puts the VAE encoder back into the step. Compile time is
-apart; step times are medians over --iters steps after --warmup steps, timed on the
-host after block_until_ready. MFU = the step's matmul FLOPs (`var_models.flop_count`,
-split over the devices) x steps/s over the device's dense bf16 peak.
+apart. After --warmup steps, --iters steps each waited for (block_until_ready): their median
+("synced"), and the median time the call took to return ("dispatch": the host's work before the
+device runs it); then --iters steps dispatched back to back, each before the last one ends, as
+the trainer runs them: "step ms", images/s and MFU are theirs. MFU = the step's matmul FLOPs
+(`var_models.flop_count`, split over the devices) x steps/s over the device's dense bf16 peak.
 
 --count runs nothing: it prints the step's matmul FLOPs as counted on its jaxpr (MFU's numerator)
 and as XLA counts them after its optimisations (its cost analysis of the compiled step, which
@@ -41,7 +43,7 @@ import numpy as np
 
 from floors import hbm_bandwidth
 from sampling import compilation_cache
-from timing import device_events, kernel_class, line_splits
+from timing import kernel_class, line_splits, trace_events
 from train import mesh as mesh_lib
 from train import throughput
 from train.optimizer import lr_schedule, make_optimizer
@@ -91,42 +93,65 @@ def time_steps(config, task, devices: int, per_device: int, args) -> dict:
   """The row of one model and device count; with --profile, one more step traced (`profile_step`)."""
   batch = random_batch(task, per_device * devices, args.encode, 0)
   step, state, frozen, glob, compile_s, flops = build(config, task, devices, batch)
-  times = []
+  synced, dispatch = [], []
   for i in range(args.warmup + args.iters):
     t0 = time.perf_counter()
     state, metrics = step(state, frozen, glob)
+    t1 = time.perf_counter()
     jax.block_until_ready(metrics)
     if i >= args.warmup:
-      times.append(time.perf_counter() - t0)
-  med = statistics.median(times)
+      synced.append(time.perf_counter() - t0)
+      dispatch.append(t1 - t0)
+  t0 = time.perf_counter()
+  for _ in range(args.iters):   # as the trainer runs them: the next step dispatched before this one ends
+    state, metrics = step(state, frozen, glob)
+  jax.block_until_ready(metrics)
+  back_to_back = (time.perf_counter() - t0) / args.iters
   peak = throughput.peak_flops(jax.devices()[0], args.peak_flops)
   if args.profile:
-    profile_step(lambda s: step(s, frozen, glob), state, med, flops, peak, args,
+    profile_step(lambda s: step(s, frozen, glob), state, statistics.median(synced), flops, peak, args,
                  f'{args.profile}/{config.family}_{config.variant}_{devices}')
-  mfu = throughput.mfu(flops, 1 / med, peak)
-  return dict(devices=devices, batch=per_device * devices, compile_s=compile_s, step_ms=med * 1e3,
-              images_per_s=per_device * devices / med, mfu=mfu, loss=float(metrics['loss']))
+  return dict(devices=devices, batch=per_device * devices, compile_s=compile_s,
+              synced_ms=statistics.median(synced) * 1e3, dispatch_ms=statistics.median(dispatch) * 1e3,
+              step_ms=back_to_back * 1e3, images_per_s=per_device * devices / back_to_back,
+              mfu=throughput.mfu(flops, 1 / back_to_back, peak), loss=float(metrics['loss']))
 
 
 def profile_step(step, state, step_s: float, flops: float, peak, args, logdir: str) -> None:
   """Traces one step(state) on the first device and prints each timeline line's busy time against
-  the step's median, its ms per kernel class and top kernels; beside them the step's floors: its
-  matmul FLOPs at the peak, and the state update's bytes (params, EMA and optimizer state read and
+  the step's median, its ms per kernel class and top kernels; the host's time before the first
+  kernel and after the last, and its longest events; beside them the step's floors: its matmul
+  FLOPs at the peak, and the state update's bytes (params, EMA and optimizer state read and
   written, the gradients written and read) at the bandwidth of a device-to-device copy."""
   update = 2 * throughput.bytes_on_device((state.params, state.ema_params, state.opt_state), jax.devices()[0])
   update += 2 * throughput.bytes_on_device(state.params, jax.devices()[0])
-  events = device_events(lambda: jax.block_until_ready(step(state)), logdir)   # donates state
+  events = trace_events(lambda: jax.block_until_ready(step(state)), logdir)   # donates state
   floors = [f'matmul {flops / peak * 1e3:.2f} ms at the peak' if peak else 'no peak known',
             f'state update {update / 1e9:.2f} GB = {update / args.bandwidth * 1e3:.2f} ms at '
             f'{args.bandwidth / 1e9:.0f} GB/s']
   print(f'  profile, step median {step_s * 1e3:.2f} ms; floors: {", ".join(floors)}', flush=True)
-  for line, (busy, span, by_class, by_name) in line_splits(events).items():
+  for line, (busy, span, by_class, by_name) in line_splits(events['device']).items():
     if busy < 0.05 * step_s * 1e3:   # lines of a few launches or markers
       continue
     split = ', '.join(f'{k} {v:.2f} ({100 * v / busy:.0f} %)' for k, v in by_class.most_common())
     print(f'  [{line[:30]}] busy {busy:.2f} ms of a {span:.2f} ms span: {split}', flush=True)
     for name, ms in by_name.most_common(args.profile_top):
       print(f'    {ms:8.2f} ms  {kernel_class(name):10} {name}', flush=True)
+  print_host_gaps(events, args.profile_top)
+
+
+def print_host_gaps(events: dict, top: int) -> None:
+  """The traced call's host time before the first kernel starts and after the last one ends, and
+  its longest host events (nested events overlap: each is its own duration)."""
+  host, device = events['host'], events['device']
+  if not host or not device:
+    return
+  start, end = host[0][2], max(ts + d for _, _, ts, d in host)
+  first, last = device[0][2], max(ts + d for _, _, ts, d in device)
+  print(f'  host: {(end - start) / 1e3:.2f} ms traced, the first kernel at {(first - start) / 1e3:.2f} ms, the last '
+        f'ends {(end - last) / 1e3:.2f} ms before the end', flush=True)
+  for line, name, ts, dur in sorted(host, key=lambda e: -e[3])[:top]:
+    print(f'    {dur / 1e3:8.2f} ms  at {(ts - start) / 1e3:7.2f} ms  [{line[:24]}] {name[:90]}', flush=True)
 
 
 def abstract_step(config, task, batch: int, encode: bool):
@@ -220,8 +245,8 @@ def main():
   args.bandwidth = hbm_bandwidth(1 << 30) if args.profile else None
   print(f'{jax.devices()[0].device_kind} x {jax.device_count()}, jax {jax.__version__}, '
         f'{args.batch_per_device} images per device, {"images" if args.encode else "cached latents"}')
-  print('| model | devices | global batch | compile s | step ms | images/s | MFU | scaling |')
-  print('| --- | --- | --- | --- | --- | --- | --- | --- |')
+  print('| model | devices | global batch | compile s | step ms, synced | dispatch ms | step ms | images/s | MFU | scaling |')
+  print('| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |')
   for spec in args.models.split(','):
     config = load_config(spec, args.batch_per_device, dict(dtype=args.dtype, attn_backend=args.attn_backend))
     task = make_task(config)
@@ -230,7 +255,8 @@ def main():
       row = time_steps(config, task, n, args.batch_per_device, args)
       base = base or row['images_per_s'] / n
       mfu = '-' if row['mfu'] is None else f'{100 * row["mfu"]:.1f} %'
-      print(f'| {spec} | {n} | {row["batch"]} | {row["compile_s"]:.1f} | {row["step_ms"]:.1f} | '
+      print(f'| {spec} | {n} | {row["batch"]} | {row["compile_s"]:.1f} | {row["synced_ms"]:.1f} | '
+            f'{row["dispatch_ms"]:.1f} | {row["step_ms"]:.1f} | '
             f'{row["images_per_s"]:.1f} | {mfu} | {row["images_per_s"] / base:.2f} |', flush=True)
     for n in (c for c in counts if c > 1):
       one = first_losses(config, task, 1, args.batch_per_device, args.check_steps, args.encode)
