@@ -1,7 +1,9 @@
-"""Unrolled against scanned transformer blocks: compile time and run time of one VAR scale step.
+"""Unrolled against scanned transformer blocks: compile time and run time of one VAR scale step,
+and of a training step through E-CAR's AR blocks (--train).
 
   python3 benchmarks/scan_layers.py --depth 32 --width 2048 --heads 16 --tokens 1,256,4096 --cache 6000
   python benchmarks/scan_layers.py --depth 4 --width 64 --heads 2 --tokens 4 --cache 16 --dtype float32 --xla ''
+  python3 benchmarks/scan_layers.py --train --depth 20 --width 1024 --heads 16 --tokens 4,16,64 --rows 64
 
 One scale step of a VAR sampler: `tokens` queries per row over a KV cache that already holds
 `cache` keys, 2 rows (a guided batch of 1), through `depth` of VAR's AdaLN blocks (random
@@ -14,6 +16,12 @@ defaults; `xla_gpu_enable_dynamic_slice_fusion` lets cuBLAS read a layer's slice
 weights in place), then timed (median of --iters calls after --warmup), beside the floor of
 reading every block's weights once (`floors.py`) at the bandwidth a copy reaches in the same run.
 The scanned program's outputs are checked against the unrolled one's.
+
+--train: the loss and gradients of `depth` of E-CAR's AR blocks (timm's ViT block, float32
+parameters, --dtype compute, block-causal attention over stages of --tokens tokens each, --rows
+rows), unrolled against a `lax.scan` over the stacked parameters. Each is timed three ways
+(`timing.step_times`): synced, the host's dispatch, and back to back as the trainer runs steps;
+the gradients of the two are compared.
 """
 from __future__ import annotations
 
@@ -22,12 +30,16 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import floors
+from accel.timing import compiled_in
 from sampling import compilation_cache
-from timing import time_compiled, xla_variants
+from timing import step_times, time_compiled, xla_variants
+from var_models.nn import attention as attn_lib
 from var_models.nn.attention import KVCache
 from var_models.nn.blocks import AdaLNSelfAttn, trunc_normal
+from var_models.nn.vit import Block
 
 
 def block(width: int, heads: int, dtype) -> AdaLNSelfAttn:
@@ -64,6 +76,50 @@ def scanned(blk, params, x, mods, ks, vs, cache: int):
   return x, new
 
 
+def train_unrolled(blk, params, x, mask):
+  """params: per-layer list -> (loss, grads) of the mean square of the blocks' output."""
+  def loss(params):
+    h = x
+    for p in params:
+      h, _, _ = blk.apply({'params': p}, h, mask=mask)
+    return jnp.mean(jnp.square(h.astype(jnp.float32)))
+  return jax.value_and_grad(loss)(params)
+
+
+def train_scanned(blk, params, x, mask):
+  """params stacked on a leading layer axis -> (loss, grads stacked)."""
+  def loss(params):
+    h, _ = jax.lax.scan(lambda h, p: (blk.apply({'params': p}, h, mask=mask)[0], None), x, params)
+    return jnp.mean(jnp.square(h.astype(jnp.float32)))
+  return jax.value_and_grad(loss)(params)
+
+
+def train_main(args):
+  """--train: unrolled against scanned loss and gradients through E-CAR's AR blocks."""
+  dtype = jnp.dtype(args.dtype)
+  stage_tokens = [int(t) for t in args.tokens.split(',')]
+  levels = np.repeat(np.arange(len(stage_tokens), dtype=np.int32), stage_tokens)
+  mask = attn_lib.ScaleCausal(levels, levels)
+  blk = Block(args.width, args.heads, 4.0, backend=args.attn_backend, dtype=dtype)
+  x = jax.random.normal(jax.random.key(3), (args.rows, len(levels), args.width), dtype)
+  keys = jax.random.split(jax.random.key(0), args.depth)
+  per_layer = [jax.jit(blk.init)(k, x[:1])['params'] for k in keys]
+  programs = {'unrolled': (train_unrolled, per_layer),
+              'scan': (train_scanned, jax.tree.map(lambda *a: jnp.stack(a), *per_layer))}
+  grads = {}
+  for options in xla_variants(args.xla):
+    for name, (fn, params) in programs.items():
+      compiled, compile_s = compiled_in(jax.jit(lambda p, x: fn(blk, p, x, mask)).lower(params, x), options)
+      ms, (loss, grads[name]) = step_times(lambda: compiled(params, x), args.warmup, args.iters)
+      print(f"{name:8} {str(options or 'XLA defaults'):45} compile {compile_s:6.1f} s  synced {ms['synced']:8.3f} ms  "
+            f"dispatch {ms['dispatch']:8.3f} ms  back to back {ms['back_to_back']:8.3f} ms  loss {float(loss):.6f}",
+            flush=True)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *grads['unrolled'])
+    diff = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(a)) + 1e-30))
+               for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(grads['scan'])))
+    print(f'scan against unrolled: gradients within {diff:.3g} of their largest entry', flush=True)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument('--depth', type=int, default=32)
@@ -76,7 +132,12 @@ def main():
   ap.add_argument('--warmup', type=int, default=3)
   ap.add_argument('--iters', type=int, default=20)
   ap.add_argument('--copy_bytes', type=int, default=1 << 31)
+  ap.add_argument('--train', action='store_true', help="E-CAR's AR blocks' loss and gradients (--tokens: per stage)")
+  ap.add_argument('--rows', type=int, default=64, help='--train: rows of the batch')
+  ap.add_argument('--attn_backend', default='xla', help="--train: the blocks' attention backend (cudnn on GPUs)")
   args = compilation_cache.parse_args(ap)
+  if args.train:
+    return train_main(args)
   dtype = jnp.dtype(args.dtype)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   bandwidth = floors.hbm_bandwidth(args.copy_bytes)

@@ -6,6 +6,7 @@ import glob
 import gzip
 import json
 import statistics
+import time
 from typing import Callable
 
 import jax
@@ -44,6 +45,29 @@ def call_times(compiled, make_args: Callable[[int], tuple], warmup: int, iters: 
   the host after block_until_ready (`accel.timing.timed_calls`)."""
   calls = map(make_args, range(warmup + iters))
   return [seconds for _, seconds in timed_calls(compiled, calls, warmup)]
+
+
+def step_times(call: Callable[[], object], warmup: int, iters: int) -> tuple[dict, object]:
+  """(milliseconds, the last call's output) of a step that call() dispatches and returns what to
+  wait for. Milliseconds three ways:
+  'synced', the median of `iters` calls each waited for (after `warmup`); 'dispatch', the median
+  time those calls took to return (the host's work before the device runs the step); 'back_to_back',
+  the mean of `iters` calls each dispatched before the last one ends, as a training loop runs them."""
+  synced, dispatch = [], []
+  for i in range(warmup + iters):
+    t0 = time.perf_counter()
+    out = call()
+    t1 = time.perf_counter()
+    jax.block_until_ready(out)
+    if i >= warmup:
+      synced.append(time.perf_counter() - t0)
+      dispatch.append(t1 - t0)
+  t0 = time.perf_counter()
+  for _ in range(iters):
+    out = call()
+  jax.block_until_ready(out)
+  return dict(synced=statistics.median(synced) * 1e3, dispatch=statistics.median(dispatch) * 1e3,
+              back_to_back=(time.perf_counter() - t0) / iters * 1e3), out
 
 
 def entry_op_counts(compiled) -> dict:

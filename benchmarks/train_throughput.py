@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +41,7 @@ import numpy as np
 
 from floors import hbm_bandwidth
 from sampling import compilation_cache
-from timing import kernel_class, line_splits, trace_events
+from timing import kernel_class, line_splits, step_times, trace_events
 from train import mesh as mesh_lib
 from train import throughput
 from train.optimizer import lr_schedule, make_optimizer
@@ -93,28 +91,20 @@ def time_steps(config, task, devices: int, per_device: int, args) -> dict:
   """The row of one model and device count; with --profile, one more step traced (`profile_step`)."""
   batch = random_batch(task, per_device * devices, args.encode, 0)
   step, state, frozen, glob, compile_s, flops = build(config, task, devices, batch)
-  synced, dispatch = [], []
-  for i in range(args.warmup + args.iters):
-    t0 = time.perf_counter()
-    state, metrics = step(state, frozen, glob)
-    t1 = time.perf_counter()
-    jax.block_until_ready(metrics)
-    if i >= args.warmup:
-      synced.append(time.perf_counter() - t0)
-      dispatch.append(t1 - t0)
-  t0 = time.perf_counter()
-  for _ in range(args.iters):   # as the trainer runs them: the next step dispatched before this one ends
-    state, metrics = step(state, frozen, glob)
-  jax.block_until_ready(metrics)
-  back_to_back = (time.perf_counter() - t0) / args.iters
+  held = [state]   # donated by each step, replaced by its output
+
+  def call():
+    held[0], metrics = step(held[0], frozen, glob)
+    return metrics
+  ms, metrics = step_times(call, args.warmup, args.iters)
   peak = throughput.peak_flops(jax.devices()[0], args.peak_flops)
   if args.profile:
-    profile_step(lambda s: step(s, frozen, glob), state, statistics.median(synced), flops, peak, args,
+    profile_step(lambda s: step(s, frozen, glob), held[0], ms['synced'] / 1e3, flops, peak, args,
                  f'{args.profile}/{config.family}_{config.variant}_{devices}')
-  return dict(devices=devices, batch=per_device * devices, compile_s=compile_s,
-              synced_ms=statistics.median(synced) * 1e3, dispatch_ms=statistics.median(dispatch) * 1e3,
-              step_ms=back_to_back * 1e3, images_per_s=per_device * devices / back_to_back,
-              mfu=throughput.mfu(flops, 1 / back_to_back, peak), loss=float(metrics['loss']))
+  seconds = ms['back_to_back'] / 1e3
+  return dict(devices=devices, batch=per_device * devices, compile_s=compile_s, synced_ms=ms['synced'],
+              dispatch_ms=ms['dispatch'], step_ms=ms['back_to_back'], images_per_s=per_device * devices / seconds,
+              mfu=throughput.mfu(flops, 1 / seconds, peak), loss=float(metrics['loss']))
 
 
 def profile_step(step, state, step_s: float, flops: float, peak, args, logdir: str) -> None:
