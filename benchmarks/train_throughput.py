@@ -235,7 +235,7 @@ def main():
   args.bandwidth = hbm_bandwidth(1 << 30) if args.profile else None
   print(f'{jax.devices()[0].device_kind} x {jax.device_count()}, jax {jax.__version__}, '
         f'{args.batch_per_device} images per device, {"images" if args.encode else "cached latents"}')
-  print('| model | devices | global batch | compile s | step ms, synced | dispatch ms | step ms | images/s | MFU | scaling |')
+  print('| model | devices | global batch | compile s | step ms, synced | dispatch ms | step ms, back to back | images/s | MFU | scaling |')
   print('| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |')
   for spec in args.models.split(','):
     config = load_config(spec, args.batch_per_device, dict(dtype=args.dtype, attn_backend=args.attn_backend))
