@@ -17,6 +17,8 @@ the trainer runs them: "step ms", images/s and MFU are theirs. MFU = the step's 
 --count runs nothing: it prints the step's matmul FLOPs as counted on its jaxpr (MFU's numerator)
 and as XLA counts them after its optimisations (its cost analysis of the compiled step, which
 leaves out cuBLAS/cuDNN calls on a GPU: run it on the CPU with --attn_backend xla), one device.
+--losses N prints the first N losses of each model's step on one device, a fixed random batch fed
+N times, and times nothing: the numbers two versions of the code must share.
 --fit runs nothing either: from XLA's buffer assignment of the step at --batch_per_device and twice
 that, the largest batch per device that fits the device's memory pool.
 --profile DIR traces one more step of each row and prints where its time goes: each timeline
@@ -211,6 +213,7 @@ def main():
   p.add_argument('--count', action='store_true', help="print the step's FLOPs (jaxpr, XLA), run nothing")
   p.add_argument('--fit', action='store_true', help='print the largest batch per device whose step fits the '
                  "device's memory (two compiles, no step run)")
+  p.add_argument('--losses', type=int, default=0, help='print the first N losses on one device, time nothing')
   p.add_argument('--profile', default='', help='trace one more step of each row under this folder and print '
                  'where its time goes beside its floors')
   p.add_argument('--profile_top', type=int, default=15, help='kernels listed per timeline line')
@@ -225,6 +228,13 @@ def main():
       jaxpr, xla = count_flops(config, task, args.batch_per_device, args.encode)
       print(f'{spec}, {args.batch_per_device} images: jaxpr matmul {jaxpr / 1e12:.3f} TFLOP, XLA {xla / 1e12:.3f} '
             f'TFLOP ({jax.devices()[0].device_kind})', flush=True)
+    return
+  if args.losses:
+    for spec in args.models.split(','):
+      config = load_config(spec, args.batch_per_device, dict(dtype=args.dtype, attn_backend=args.attn_backend))
+      losses = first_losses(config, make_task(config), 1, args.batch_per_device, args.losses, args.encode)
+      print(f'{spec}, {args.batch_per_device} images: first {args.losses} losses {np.round(losses, 6).tolist()}',
+            flush=True)
     return
   counts = [int(n) for n in args.devices.split(',')]
   if max(counts) > jax.device_count():
