@@ -29,8 +29,7 @@ at the peak and its state update's bytes at the bandwidth of a device-to-device 
 Then, for each N > 1, the first --check_steps losses on N devices against one
 device at the same global batch, batch_per_device (what one device holds; the N
 devices take batch_per_device / N each): the same computation, split over the
-mesh, must give the same losses within --rtol. E-CAR-B at 64 images per H200 sits
-at the edge of JAX's default memory pool: XLA_PYTHON_CLIENT_MEM_FRACTION=0.95.
+mesh, must give the same losses within --rtol.
 """
 from __future__ import annotations
 
