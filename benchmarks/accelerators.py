@@ -13,6 +13,8 @@ attention on both sides; cfg 1.5, top-k 900, top-p 0.96):
                  and without skip-2, and skip-2 alone;
   d30         -- VAR-d30 at 256 px; their var256 presets;
   smoke       -- a 2-block VAR at 256 px, for checking this script on a CPU (--attn xla).
+--scan on / both: the VAR samplers with each scale's runs of blocks without hooks as one
+`lax.scan` (`make_sampler(..., scan_blocks=True)`), as rows 'spec@scan'.
 Every sampler is lowered in turn and compiled in a pool of --compile_workers threads (compile
 seconds are each program's own wall time, under that contention), then, after --wait_for
 exists (so the compiles can overlap other GPU work), each is timed alone: medians of --iters
@@ -97,9 +99,17 @@ def build(model: str, attn: str, policies: str):
   return var_cfg, vq_cfg, params, specs
 
 
-def sampler_job(var_cfg, vq_cfg, params, spec: str, batch: int):
-  """(lowered sampler, args maker) of one policy at one batch."""
-  sample = make_sampler(var_cfg, vq_cfg, policy_from_spec(spec))
+def sampler_names(specs: tuple[str, ...], scan: str) -> tuple[str, ...]:
+  """The samplers of a model: the baseline and each spec, unrolled (`spec`), with their blocks
+  scanned (`spec@scan`), or both (--scan off / on / both), the unrolled baseline first."""
+  modes = {'off': ('',), 'on': ('@scan',), 'both': ('', '@scan')}[scan]
+  return tuple(spec + mode for mode in modes for spec in ('baseline',) + specs)
+
+
+def sampler_job(var_cfg, vq_cfg, params, name: str, batch: int):
+  """(lowered sampler, args maker) of one sampler (`sampler_names`) at one batch."""
+  spec, _, scan = name.partition('@')
+  sample = make_sampler(var_cfg, vq_cfg, policy_from_spec(spec), scan_blocks=bool(scan))
   labels = np.arange(batch, dtype=np.int32) % var_cfg.num_classes
   lab, cfg = jnp.asarray(labels), jnp.float32(OPTS['cfg'])
   opts = dict(OPTS, top_k=min(OPTS['top_k'], var_cfg.vocab_size))   # the smoke model has 64 codes
@@ -159,8 +169,8 @@ def lower_and_compile(args, batches):
       var_cfg, vq_cfg, params, specs = models[model] = build(model, args.attn, args.policies)
       for batch in batches:
         jobs = [('decoder', lambda: decoder_job(vq_cfg, params, batch))]
-        jobs += [(spec, lambda spec=spec: sampler_job(var_cfg, vq_cfg, params, spec, batch))
-                 for spec in ('baseline',) + specs]
+        jobs += [(name, lambda name=name: sampler_job(var_cfg, vq_cfg, params, name, batch))
+                 for name in sampler_names(specs, args.scan)]
         for name, job in jobs:
           lowered, makers[model, batch, name] = job()
           futures.append(compile_in(pool, (model, batch, name), lowered))
@@ -317,6 +327,8 @@ def main():
   ap.add_argument('--attn', default='cudnn')
   ap.add_argument('--policies', default='', help="specs; each model runs those that fit it (default: the "
                   "model's presets)")
+  ap.add_argument('--scan', default='off', choices=('off', 'on', 'both'),
+                  help="VAR samplers with their blocks scanned ('spec@scan' rows), unrolled, or both")
   ap.add_argument('--warmup', type=int, default=2)
   ap.add_argument('--iters', type=int, default=10)
   ap.add_argument('--compile_workers', type=int, default=8)
@@ -353,8 +365,9 @@ def main():
     var_cfg, _, _, specs = models[model]
     dec_prog, dec_compile = compiled[model, batch, 'decoder']
     dec_ms = time_calls(dec_prog, makers[model, batch, 'decoder'], args.warmup, args.iters)
-    rows += time_samplers(model, batch, ('baseline',) + specs, compiled, makers, dec_ms, args)
-    for spec in ('baseline',) + specs if args.profile and batch == batches[0] else ():
+    names = sampler_names(specs, args.scan)
+    rows += time_samplers(model, batch, names, compiled, makers, dec_ms, args)
+    for spec in names if args.profile and batch == batches[0] else ():
       split = [f'{model} B={batch} {spec} profile (decoder alone {dec_ms:.2f} ms, compile {dec_compile:.1f} s):']
       split += profile_split(compiled[model, batch, spec][0], makers[model, batch, spec],
                              os.path.join(args.profile, f"{model}_b{batch}_{spec.replace(':', '_')}"),

@@ -12,9 +12,11 @@ weights, unmasked attention as at a one-scale step):
   scan      `lax.scan` over the parameters stacked on a leading layer axis, the KV caches stacked
             too: each layer's valid keys sliced out, its new keys written back in place.
 Each program is compiled apart under each set of XLA options of --xla (';'-separated, '' for the
-defaults; `xla_gpu_enable_dynamic_slice_fusion` lets cuBLAS read a layer's slice of the stacked
-weights in place), then timed (median of --iters calls after --warmup), beside the floor of
-reading every block's weights once (`floors.py`) at the bandwidth a copy reaches in the same run.
+defaults), then timed (median of --iters calls after --warmup), beside the floor of reading every
+block's weights once (`floors.py`) at the bandwidth a copy reaches in the same run.
+`xla_gpu_enable_dynamic_slice_fusion` lets a library GEMM (cuBLAS) read a layer's slice of the
+stacked weights in place; the Triton GEMM fusions XLA picks for few rows copy the slice first,
+hence the variant with `xla_gpu_enable_triton_gemm=false` too.
 The scanned program's outputs are checked against the unrolled one's.
 
 --train: the loss and gradients of `depth` of E-CAR's AR blocks (timm's ViT block, float32
@@ -133,7 +135,8 @@ def main():
   ap.add_argument('--tokens', default='1,256,4096', help='queries per row at the step')
   ap.add_argument('--cache', type=int, default=6000, help='keys already in the cache')
   ap.add_argument('--dtype', default='bfloat16')
-  ap.add_argument('--xla', default=';xla_gpu_enable_dynamic_slice_fusion=true')
+  ap.add_argument('--xla', default=';xla_gpu_enable_dynamic_slice_fusion=true;'
+                  'xla_gpu_enable_dynamic_slice_fusion=true,xla_gpu_enable_triton_gemm=false')
   ap.add_argument('--warmup', type=int, default=3)
   ap.add_argument('--iters', type=int, default=20)
   ap.add_argument('--copy_bytes', type=int, default=1 << 31)

@@ -4,7 +4,7 @@ the ViT block, DiT's timestep embedding, PyTorch-exact resampling, token gather/
 checks every family runs on its config and labels. Imports `pallas_kernels` only.
 """
 from var_models.nn import attention
-from var_models.nn.attention import KVCache, ScaleCausal, TokenMask, register_backend
+from var_models.nn.attention import KVCache, LayerKVCaches, ScaleCausal, TokenMask, register_backend
 from var_models.nn.blocks import BlockHooks
 from var_models.nn.checks import check_attn_backend, check_labels, compute_dtype
 from var_models.nn.policy import Binding, Halves, Policy

@@ -261,3 +261,48 @@ class KVCache:
 
   def values(self) -> jax.Array:
     return self.v[:, :self.length]
+
+
+@flax.struct.dataclass
+class LayerKVCaches:
+  """The KV caches of `depth` layers as one buffer each: k, v [depth, B, capacity, H, D].
+
+  `lengths` (static) holds each layer's valid length: layers whose policy forwarded fewer tokens
+  hold fewer keys. Layer i's cache is `layer(i)`; a scan over layers of one length reads it with
+  a traced i (`layer(i, length)`) in place, and `put(i, kv)` writes the layer's new rows back,
+  so the scanned blocks update the buffer without copying it.
+  """
+  k: jax.Array
+  v: jax.Array
+  lengths: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
+
+  @classmethod
+  def create(cls, depth: int, batch: int, capacity: int, heads: int, head_dim: int, dtype) -> 'LayerKVCaches':
+    """Empty caches, zero-filled: k and v [depth, batch, capacity, heads, head_dim]."""
+    shape = (depth, batch, capacity, heads, head_dim)
+    # Two fills XLA can neither merge into one buffer (CSE) nor fold into the first write (a
+    # slower pad kernel): the reasons of `KVCache.create_many`.
+    zeros = jax.lax.optimization_barrier(jnp.zeros((2,), dtype))
+    k, v = jax.lax.optimization_barrier([jnp.broadcast_to(zeros[i], shape) for i in range(2)])
+    return cls(k, v, (0,) * depth)
+
+  @property
+  def depth(self) -> int:
+    return self.k.shape[0]
+
+  def layer(self, i, length: Optional[int] = None) -> KVCache:
+    """Layer i's cache [B, capacity, H, D]: i an int, or traced with its static `length`."""
+    return KVCache(self.k[i], self.v[i], self.lengths[i] if length is None else length)
+
+  def put(self, i, kv: KVCache, length: Optional[int] = None) -> 'LayerKVCaches':
+    """Writes rows [length, kv.length) of layer i's cache `kv` back (i and `length` as in `layer`);
+    `lengths` is unchanged (`with_lengths` sets them once every layer is written)."""
+    start = self.lengths[i] if length is None else length
+    rows = (slice(None), slice(start, kv.length))
+    at = (i, 0, start, 0, 0)
+    k = jax.lax.dynamic_update_slice(self.k, kv.k[rows][None].astype(self.k.dtype), at)
+    v = jax.lax.dynamic_update_slice(self.v, kv.v[rows][None].astype(self.v.dtype), at)
+    return LayerKVCaches(k, v, self.lengths)
+
+  def with_lengths(self, lengths: tuple[int, ...]) -> 'LayerKVCaches':
+    return LayerKVCaches(self.k, self.v, tuple(lengths))

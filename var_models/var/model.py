@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import flax.linen as nn
 import jax
@@ -17,6 +17,7 @@ import numpy as np
 
 from var_models.nn import attention as attn_lib
 from var_models.nn.blocks import AdaLNBeforeHead, AdaLNSelfAttn, BlockHooks, scaled, trunc_normal
+from var_models.nn.scan import scan_blocks
 from var_models.var.schedules import ScaleSchedule, VAR_256
 
 Array = jax.Array
@@ -153,11 +154,18 @@ class VAR(nn.Module):
     return [block.modulation(bc) for block in self.blocks]
 
   def run_blocks(self, x: Array, mods: Sequence[Array], *, mask: attn_lib.Mask = None,
-                 kvs: Optional[Sequence[attn_lib.KVCache]] = None,
+                 kvs: Union[None, Sequence[attn_lib.KVCache], attn_lib.LayerKVCaches] = None,
                  hooks: Optional[Sequence[Optional[BlockHooks]]] = None, state: Any = None,
                  deterministic: bool = True):
-    """All blocks on x [B, l, C] with their modulations -> (h [B, l, C], kvs, state)."""
+    """All blocks on x [B, l, C] with their modulations -> (h [B, l, C], kvs, state).
+
+    `kvs`: None (training), one KVCache per block, or `LayerKVCaches`: then every run of two or
+    more consecutive blocks without hooks and with caches of one length is one `lax.scan`
+    (`scan_blocks`), which compiles the block once; the other blocks run one by one.
+    """
     x = x.astype(self.cfg.dtype)
+    if isinstance(kvs, attn_lib.LayerKVCaches):
+      return self._run_layer_caches(x, mods, mask, kvs, hooks, state)
     new_kvs = []
     for i, block in enumerate(self.blocks):
       x, kv, state = block(x, mods[i], mask=mask, kv=None if kvs is None else kvs[i],
@@ -165,6 +173,30 @@ class VAR(nn.Module):
                            deterministic=deterministic)
       new_kvs.append(kv)
     return x, (None if kvs is None else new_kvs), state
+
+  def _run_layer_caches(self, x: Array, mods: Sequence[Array], mask: attn_lib.Mask,
+                        kvs: attn_lib.LayerKVCaches, hooks, state):
+    """`run_blocks` over stacked caches (sampling: deterministic)."""
+    lengths = list(kvs.lengths)
+    for run in _scan_runs(hooks, kvs.lengths):
+      if len(run) == 1:
+        i = run[0]
+        x, kv, state = self.blocks[i](x, mods[i], mask=mask, kv=kvs.layer(i),
+                                      hooks=None if hooks is None else hooks[i], state=state)
+        kvs, lengths[i] = kvs.put(i, kv), kv.length
+        continue
+      length = kvs.lengths[run[0]]
+
+      def call(block, carry, layer):
+        x, caches = carry
+        mod, i = layer
+        x, kv, _ = block(x, mod, mask=mask, kv=caches.layer(i, length))
+        return x, caches.put(i, kv, length)
+      x, kvs = scan_blocks([self.blocks[i] for i in run], (x, kvs), (jnp.stack([mods[i] for i in run]),
+                                                                     jnp.asarray(run, jnp.int32)), call)
+      for i in run:
+        lengths[i] = length + x.shape[1]
+    return x, kvs.with_lengths(tuple(lengths)), state
 
   def logits(self, h: Array, cond: Array) -> Array:
     """AdaLN before head (float32), then the head. [B, l, C] -> float32 logits [B, l, V]."""
@@ -188,6 +220,20 @@ class VAR(nn.Module):
     h, _, _ = self.run_blocks(x, self.modulations(cond), mask=attn_lib.ScaleCausal(levels, levels),
                               deterministic=not train)
     return self.logits(h, cond)
+
+
+def _scan_runs(hooks: Optional[Sequence[Optional[BlockHooks]]], lengths: Sequence[int]) -> list[list[int]]:
+  """The blocks in order, grouped: maximal runs of consecutive blocks without hooks whose caches
+  hold the same length, and each block with hooks alone."""
+  runs: list[list[int]] = []
+  for i, n in enumerate(lengths):
+    plain = hooks is None or hooks[i] is None
+    last = runs[-1] if runs else None
+    if plain and last and (hooks is None or hooks[last[-1]] is None) and lengths[last[-1]] == n:
+      last.append(i)
+    else:
+      runs.append([i])
+  return runs
 
 
 def cross_entropy(logits: Array, targets: Array) -> Array:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from var_models.nn import tokens as tok
-from var_models.nn.attention import KVCache
+from var_models.nn.attention import KVCache, LayerKVCaches
 from var_models.nn.checks import check_labels
 from var_models.nn.resample import area_resize
 from var_models.nn.policy import Halves
@@ -99,7 +99,7 @@ class _Sampler:
   """Holds the static parts (models, schedule, policy); `__call__` is the public sampler."""
 
   def __init__(self, var_cfg: VARConfig, vq_cfg: VQVAEConfig, policy: ScalePolicy,
-               return_fhats: bool, return_logits: bool):
+               return_fhats: bool, return_logits: bool, scan_blocks: bool):
     check_configs(var_cfg, vq_cfg)
     self.var_cfg = var_cfg
     self.model, self.vq = VAR(var_cfg), VQVAE(vq_cfg)
@@ -108,6 +108,7 @@ class _Sampler:
     self.steps = self.policy.plan(self.sched)
     check_plan(self.steps, self.sched)
     self.return_fhats, self.return_logits = return_fhats, return_logits
+    self.scan_blocks = scan_blocks
     self._jitted = jax.jit(self._sample, static_argnames=('top_k', 'top_p'))
 
   def __call__(self, params, key: Array, labels, *, cfg: float = 1.5, top_k: int = 0,
@@ -136,7 +137,8 @@ class _Sampler:
     cond2 = self.model.apply(vp, jnp.concatenate([labels, jnp.full_like(labels, vc.num_classes)]),
                              method=VAR.cond_embed)
     mods = self.model.apply(vp, cond2, method=VAR.modulations)
-    kvs = KVCache.create_many(vc.depth, 2 * b, sched.L, vc.num_heads, vc.head_dim, vc.dtype)
+    cache = LayerKVCaches.create if self.scan_blocks else KVCache.create_many
+    kvs = cache(vc.depth, 2 * b, sched.L, vc.num_heads, vc.head_dim, vc.dtype)
     f_hat = jnp.zeros((b, sched.final_hw, sched.final_hw, vc.cvae), jnp.float32)
     state = policy.init_state(b)
     cached_levels = np.zeros((0,), np.int32)  # scale of each cached key, while no token is pruned
@@ -220,6 +222,12 @@ def _kept_mask(sel: Array, offset: int, n: int) -> Array:
 
 
 def make_sampler(var_cfg: VARConfig, vq_cfg: VQVAEConfig, policy: Optional[ScalePolicy] = None, *,
-                 return_fhats: bool = False, return_logits: bool = False):
-  """A pure, jit-compiled sampler `sample(params, key, labels, *, cfg, top_k, top_p) -> (images, aux)`."""
-  return _Sampler(var_cfg, vq_cfg, policy or BASELINE, return_fhats, return_logits)
+                 return_fhats: bool = False, return_logits: bool = False, scan_blocks: bool = False):
+  """A pure, jit-compiled sampler `sample(params, key, labels, *, cfg, top_k, top_p) -> (images, aux)`.
+
+  `scan_blocks`: the KV caches stacked on a layer axis, and each scale's runs of blocks without
+  hooks as one `lax.scan` (`VAR.run_blocks`): the program holds a block per run, not per block, and
+  compiles that much faster; the images are the unrolled sampler's. benchmarks/RESULTS.md has its
+  cost at run time.
+  """
+  return _Sampler(var_cfg, vq_cfg, policy or BASELINE, return_fhats, return_logits, scan_blocks)

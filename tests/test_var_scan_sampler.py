@@ -1,0 +1,96 @@
+"""VAR's sampler with its blocks scanned (`scan_blocks=True`): the unrolled sampler's images with
+every policy, one block per run in the program, the stacked caches written in place."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from accel import FastVAR, LazyVAR, SparVAR
+from var_models.nn.attention import KVCache, LayerKVCaches
+from var_models.nn.blocks import BlockHooks
+from var_models.var.model import _scan_runs, init_params
+from var_models.var.sampler import make_sampler
+
+LABELS = np.array([1, 7, 3], np.int32)
+
+
+@pytest.fixture(scope='module')
+def deep_var(tiny_var):
+  """The tiny VAR with 5 blocks: runs of several blocks around the hooked ones."""
+  var_cfg, vq_cfg, params = tiny_var
+  var_cfg = dataclasses.replace(var_cfg, depth=5)
+  var = init_params(var_cfg, jax.random.key(0))
+  var = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(p.size), p.shape), var)
+  return var_cfg, vq_cfg, {'var': var, 'vqvae': params['vqvae']}
+
+
+def _both(var_cfg, vq_cfg, params, policy=None):
+  out = []
+  for scan in (False, True):
+    sample = make_sampler(var_cfg, vq_cfg, policy, scan_blocks=scan, return_fhats=True)
+    out.append(sample(params, jax.random.key(4), LABELS, cfg=1.5, top_k=0, top_p=1.0))
+  return out
+
+
+def _assert_same(unrolled, scanned):
+  (images_u, aux_u), (images_s, aux_s) = unrolled, scanned
+  for a, b in zip(aux_u['indices'], aux_s['indices'], strict=True):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(aux_u['f_hats'], aux_s['f_hats'], strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(images_u, images_s, rtol=1e-5, atol=1e-5)
+
+
+def test_scanned_baseline_samples_the_unrolled_images(deep_var):
+  _assert_same(*_both(*deep_var))
+
+
+@pytest.mark.parametrize('policy', [
+    FastVAR(ratios=((3, 0.5), (4, 0.5)), cache_at=2, blocks=(1, 3)),
+    LazyVAR(start=2, retention=(0.5, 0.25)),
+    SparVAR(decision=3, sparse=(4,), group=16, sink_scales=1, topk=0.3, cs4a_layers=0.4, windows=(1, 1, 3),
+            block=16),
+], ids=['fastvar', 'lazyvar', 'sparvar'])
+def test_each_accelerator_samples_the_same_images_scanned(deep_var, policy):
+  with pk.override('interpret'):
+    _assert_same(*_both(*deep_var, policy))
+
+
+def test_the_scanned_program_holds_one_block_per_run(deep_var):
+  """5 blocks, 4 scales: the unrolled program has a qkv GEMM per block and scale, the scanned one
+  a single block in each scale's loop."""
+  var_cfg, vq_cfg, params = deep_var
+  width = var_cfg.width
+
+  def qkv_dots(scan):
+    lines = make_sampler(var_cfg, vq_cfg, scan_blocks=scan).lower(params, jax.random.key(0), LABELS).as_text()
+    lines = lines.splitlines()
+    qkv = [ln for ln in lines if 'stablehlo.dot_general' in ln and ln.endswith(f'x{3 * width}xf32>')]
+    return len(qkv), sum('stablehlo.while' in ln for ln in lines)
+  dots_u, loops_u = qkv_dots(False)
+  dots_s, loops_s = qkv_dots(True)
+  assert loops_s - loops_u == var_cfg.schedule.num_scales
+  assert dots_u == var_cfg.depth * var_cfg.schedule.num_scales and dots_s == var_cfg.schedule.num_scales
+
+
+def test_runs_group_plain_blocks_of_one_length_and_leave_hooked_blocks_alone():
+  hook = BlockHooks()
+  assert _scan_runs(None, (3, 3, 3, 3)) == [[0, 1, 2, 3]]
+  assert _scan_runs([None, hook, None, None, None], (3,) * 5) == [[0], [1], [2, 3, 4]]
+  assert _scan_runs(None, (3, 3, 2, 2, 3)) == [[0, 1], [2, 3], [4]]
+
+
+def test_layer_caches_put_writes_only_the_new_rows_of_the_layer():
+  caches = LayerKVCaches.create(3, 2, 6, 1, 4, jnp.float32).with_lengths((2, 2, 1))
+  caches = LayerKVCaches(caches.k + 1, caches.v + 2, caches.lengths)
+  layer = caches.layer(1)
+  new = layer.append(jnp.full((2, 3, 1, 4), 7.0), jnp.full((2, 3, 1, 4), 8.0))
+  out = caches.put(jnp.int32(1), new, 2)
+  want_k = np.ones((3, 2, 6, 1, 4), np.float32)
+  want_k[1, :, 2:5] = 7.0
+  np.testing.assert_array_equal(out.k, want_k)
+  assert out.v[1, 0, 4, 0, 0] == 8.0 and out.v[1, 0, 5, 0, 0] == 2.0 and out.lengths == (2, 2, 1)
+  assert isinstance(layer, KVCache) and layer.length == 2

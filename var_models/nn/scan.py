@@ -1,0 +1,34 @@
+"""Alike blocks run as one `lax.scan` over their stacked parameters.
+
+The parameters stay where they are, one subtree per block (`blocks_0`, `blocks_1`, ...): the scan
+stacks them inside the traced function, so checkpoints and converters see the same tree, and the
+program holds one block where it held `len(blocks)`: it compiles once, not once per block.
+Stacking reads and writes the blocks' parameters once per call; blocks that compute in a lower
+dtype than their parameters cast them anyway, and XLA folds the stack into that cast.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+def scan_blocks(blocks: Sequence[nn.Module], carry: Any, xs: Any,
+                call: Callable[[nn.Module, Any, Any], Any]) -> Any:
+  """carry through `blocks` in order: call(block, carry, x_i) -> carry for each, where block is
+  blocks[i] and x_i the i-th slice of `xs` (a pytree of arrays with a leading axis of
+  len(blocks)). `blocks`: bound submodules of one class and configuration (a deterministic call
+  may differ in what it ignores, e.g. drop-path rates). Runs one `lax.scan`; `call` runs once, on
+  a copy of blocks[0] bound to each block's parameters."""
+  kinds = {type(b) for b in blocks}
+  if len(kinds) != 1:
+    raise ValueError(f'scan_blocks: the blocks must be of one class, got {sorted(k.__name__ for k in kinds)}')
+  stacked = jax.tree.map(lambda *p: jnp.stack(p), *[b.variables['params'] for b in blocks])
+  body = blocks[0].clone(parent=None)
+
+  def step(c, layer):
+    params, x = layer
+    return call(body.bind({'params': params}), c, x), None
+  return jax.lax.scan(step, carry, (stacked, xs))[0]
