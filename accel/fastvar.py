@@ -116,6 +116,12 @@ class FastVARHooks(BlockHooks):
       return y, {**state, key: y}
     return restore_tokens(state[key], self.side, y, idx), state
 
+  def scan_group(self):
+    return ('fastvar', self.keep, self.side)
+
+  def layer_state(self) -> tuple[str, ...]:
+    return (f'{self.name}/attn', f'{self.name}/ffn')
+
 
 @dataclasses.dataclass(frozen=True)
 class FastVAR(Presets, ScalePolicy):

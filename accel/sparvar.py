@@ -192,6 +192,12 @@ class CS4AHooks(BlockHooks):
                           p.cache_upsample)
     return out, state
 
+  def scan_group(self):
+    return ('cs4a', self.k, id(self.p))
+
+  def layer_state(self) -> tuple[str, ...]:
+    return (f'{self.name}/top', f'{self.name}/cache')
+
 
 class CSLAHooks(BlockHooks):
   """CSLA in one block at one sparse scale: the static layout, through the block-sparse kernel."""
@@ -202,6 +208,9 @@ class CSLAHooks(BlockHooks):
   def attend(self, q, k, v, *, mask, kv_len, scale, backend, state):
     check_whole_scale(q, self.side)
     return attn_lib.attention(q, k, v, mask=self.mask, scale=scale, kv_len=kv_len, backend=backend), state
+
+  def scan_group(self):
+    return ('csla', id(self))   # one object serves every CSLA block of a scale
 
 
 def _csla_rows(patch_nums, query_scale, sink_scales, windows) -> RowsFn:

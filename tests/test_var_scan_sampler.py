@@ -1,5 +1,6 @@
 """VAR's sampler with its blocks scanned (`scan_blocks=True`): the unrolled sampler's images with
-every policy, one block per run in the program, the stacked caches written in place."""
+every policy, one block per run of alike blocks in the program (accelerated ones too), the stacked
+caches written in place."""
 import dataclasses
 
 import jax
@@ -9,6 +10,7 @@ import pytest
 
 import pallas_kernels as pk
 from accel import FastVAR, LazyVAR, SparVAR
+from accel.fastvar import FastVARHooks
 from var_models.nn.attention import KVCache, LayerKVCaches
 from var_models.nn.blocks import BlockHooks
 from var_models.var.model import _scan_runs, init_params
@@ -49,7 +51,7 @@ def test_scanned_baseline_samples_the_unrolled_images(deep_var):
 
 
 @pytest.mark.parametrize('policy', [
-    FastVAR(ratios=((3, 0.5), (4, 0.5)), cache_at=2, blocks=(1, 3)),
+    FastVAR(ratios=((3, 0.5), (4, 0.5)), cache_at=2, blocks=(1, 2, 3)),
     LazyVAR(start=2, retention=(0.5, 0.25)),
     SparVAR(decision=3, sparse=(4,), group=16, sink_scales=1, topk=0.3, cs4a_layers=0.4, windows=(1, 1, 3),
             block=16),
@@ -76,11 +78,28 @@ def test_the_scanned_program_holds_one_block_per_run(deep_var):
   assert dots_u == var_cfg.depth * var_cfg.schedule.num_scales and dots_s == var_cfg.schedule.num_scales
 
 
-def test_runs_group_plain_blocks_of_one_length_and_leave_hooked_blocks_alone():
-  hook = BlockHooks()
+def test_runs_group_blocks_that_compute_alike_with_caches_of_one_length():
+  alone = BlockHooks()
+  pruned = [FastVARHooks(str(i), 2, 4) for i in range(5)]
   assert _scan_runs(None, (3, 3, 3, 3)) == [[0, 1, 2, 3]]
-  assert _scan_runs([None, hook, None, None, None], (3,) * 5) == [[0], [1], [2, 3, 4]]
+  assert _scan_runs([None, alone, alone, None, None], (3,) * 5) == [[0], [1], [2], [3, 4]]
   assert _scan_runs(None, (3, 3, 2, 2, 3)) == [[0, 1], [2, 3], [4]]
+  assert _scan_runs([None] + pruned[1:4] + [None], (3,) * 5) == [[0], [1, 2, 3], [4]]
+  assert _scan_runs(pruned[:2] + [FastVARHooks('2', None, 4)] + pruned[3:], (3,) * 5) == [[0, 1], [2], [3, 4]]
+
+
+def test_the_fastvar_blocks_of_a_pruned_scale_run_as_one_scan(deep_var):
+  """FastVAR prunes in blocks 1-3 at its last two scales: those blocks are one scan (one qkv GEMM
+  of `keep` rows), the plain blocks 0 and 4 around them run alone."""
+  var_cfg, vq_cfg, params = deep_var
+  policy = FastVAR(ratios=((3, 0.5), (4, 0.5)), cache_at=2, blocks=(1, 2, 3))
+  with pk.override('interpret'):
+    text = make_sampler(var_cfg, vq_cfg, policy, scan_blocks=True).lower(params, jax.random.key(0), LABELS).as_text()
+  qkv = [ln for ln in text.splitlines() if 'stablehlo.dot_general' in ln and ln.endswith(f'x{3 * var_cfg.width}xf32>')]
+  keep = {3: 9 - int(9 * 0.5), 4: 16 - int(16 * 0.5)}
+  for side, k in keep.items():
+    assert sum(ln.endswith(f'x{k}x{3 * var_cfg.width}xf32>') for ln in qkv) == 1, side
+    assert sum(ln.endswith(f'x{side * side}x{3 * var_cfg.width}xf32>') for ln in qkv) == 2, side
 
 
 def test_layer_caches_put_writes_only_the_new_rows_of_the_layer():

@@ -7,7 +7,7 @@ of tokens and restore the rest (FastVAR); with no hooks it is the plain block.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import flax.linen as nn
 import jax
@@ -299,3 +299,14 @@ class BlockHooks:
     if idx is None:
       return y, state
     return tok.scatter(jnp.zeros_like(x, dtype=y.dtype), idx, y), state
+
+  def scan_group(self) -> Optional[Hashable]:
+    """A key (static, hashable), or None. Consecutive blocks whose hooks give one key compute alike
+    but for their `layer_state`: a sampler may run them as one scan, with the first block's hooks
+    standing for all. None: the block runs alone."""
+    return None
+
+  def layer_state(self) -> tuple[str, ...]:
+    """The keys of `state` this block alone reads or writes (in one order across a scan group:
+    a scan stacks them on a layer axis). Every other key a hook adds must exist before."""
+    return ()

@@ -16,12 +16,12 @@ import jax.numpy as jnp
 
 
 def scan_blocks(blocks: Sequence[nn.Module], carry: Any, xs: Any,
-                call: Callable[[nn.Module, Any, Any], Any]) -> Any:
-  """carry through `blocks` in order: call(block, carry, x_i) -> carry for each, where block is
-  blocks[i] and x_i the i-th slice of `xs` (a pytree of arrays with a leading axis of
-  len(blocks)). `blocks`: bound submodules of one class and configuration (a deterministic call
-  may differ in what it ignores, e.g. drop-path rates). Runs one `lax.scan`; `call` runs once, on
-  a copy of blocks[0] bound to each block's parameters."""
+                call: Callable[[nn.Module, Any, Any], tuple[Any, Any]]) -> tuple[Any, Any]:
+  """carry through `blocks` in order -> (carry, ys): call(block, carry, x_i) -> (carry, y_i) for
+  each, where block is blocks[i], x_i the i-th slice of `xs` and ys the y_i stacked (pytrees of
+  arrays with a leading axis of len(blocks)). `blocks`: bound submodules of one class and
+  configuration (a deterministic call may differ in what it ignores, e.g. drop-path rates). Runs
+  one `lax.scan`; `call` is traced once, on a copy of blocks[0] bound to each block's parameters."""
   kinds = {type(b) for b in blocks}
   if len(kinds) != 1:
     raise ValueError(f'scan_blocks: the blocks must be of one class, got {sorted(k.__name__ for k in kinds)}')
@@ -30,5 +30,5 @@ def scan_blocks(blocks: Sequence[nn.Module], carry: Any, xs: Any,
 
   def step(c, layer):
     params, x = layer
-    return call(body.bind({'params': params}), c, x), None
-  return jax.lax.scan(step, carry, (stacked, xs))[0]
+    return call(body.bind({'params': params}), c, x)
+  return jax.lax.scan(step, carry, (stacked, xs))

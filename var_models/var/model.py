@@ -160,8 +160,8 @@ class VAR(nn.Module):
     """All blocks on x [B, l, C] with their modulations -> (h [B, l, C], kvs, state).
 
     `kvs`: None (training), one KVCache per block, or `LayerKVCaches`: then every run of two or
-    more consecutive blocks without hooks and with caches of one length is one `lax.scan`
-    (`scan_blocks`), which compiles the block once; the other blocks run one by one.
+    more consecutive blocks that compute alike (`_scan_runs`) is one `lax.scan` (`scan_blocks`),
+    which compiles the block once; the other blocks run one by one.
     """
     x = x.astype(self.cfg.dtype)
     if isinstance(kvs, attn_lib.LayerKVCaches):
@@ -176,27 +176,46 @@ class VAR(nn.Module):
 
   def _run_layer_caches(self, x: Array, mods: Sequence[Array], mask: attn_lib.Mask,
                         kvs: attn_lib.LayerKVCaches, hooks, state):
-    """`run_blocks` over stacked caches (sampling: deterministic)."""
+    """`run_blocks` over stacked caches (sampling: deterministic), a scan per run (`_scan_runs`)."""
     lengths = list(kvs.lengths)
     for run in _scan_runs(hooks, kvs.lengths):
+      run_hooks = [None if hooks is None else hooks[i] for i in run]
       if len(run) == 1:
         i = run[0]
-        x, kv, state = self.blocks[i](x, mods[i], mask=mask, kv=kvs.layer(i),
-                                      hooks=None if hooks is None else hooks[i], state=state)
+        x, kv, state = self.blocks[i](x, mods[i], mask=mask, kv=kvs.layer(i), hooks=run_hooks[0], state=state)
         kvs, lengths[i] = kvs.put(i, kv), kv.length
         continue
-      length = kvs.lengths[run[0]]
-
-      def call(block, carry, layer):
-        x, caches = carry
-        mod, i = layer
-        x, kv, _ = block(x, mod, mask=mask, kv=caches.layer(i, length))
-        return x, caches.put(i, kv, length)
-      x, kvs = scan_blocks([self.blocks[i] for i in run], (x, kvs), (jnp.stack([mods[i] for i in run]),
-                                                                     jnp.asarray(run, jnp.int32)), call)
+      x, kvs, state, length = self._scan_run(run, run_hooks, x, mods, mask, kvs, state)
       for i in run:
-        lengths[i] = length + x.shape[1]
+        lengths[i] = length
     return x, kvs.with_lengths(tuple(lengths)), state
+
+  def _scan_run(self, run: list[int], run_hooks: list, x: Array, mods: Sequence[Array], mask: attn_lib.Mask,
+                kvs: attn_lib.LayerKVCaches, state):
+    """The blocks of `run` (alike, their caches of one length) as one scan -> (x, kvs, state, the
+    caches' new length). The first block's hooks stand for all; each block's `layer_state`
+    entries go in and come out stacked under the first block's names."""
+    template, length, new_length = run_hooks[0], kvs.lengths[run[0]], []
+    names = [() if h is None else h.layer_state() for h in run_hooks]
+    mine = {k for n in names for k in n}
+    given = {t: jnp.stack([state[n[j]] for n in names]) for j, t in enumerate(names[0])
+             if all(n[j] in state for n in names)}
+    shared = state if template is None else {k: v for k, v in state.items() if k not in mine}
+
+    def call(block, carry, layer):
+      x, caches, shared = carry
+      mod, i, own = layer
+      x, kv, out = block(x, mod, mask=mask, kv=caches.layer(i, length), hooks=template,
+                         state=shared if template is None else {**shared, **own})
+      new_length.append(kv.length)
+      if template is not None:
+        shared, own = {k: v for k, v in out.items() if k not in names[0]}, {t: out[t] for t in names[0] if t in out}
+      return (x, caches.put(i, kv, length), shared), own
+    (x, kvs, state), own = scan_blocks([self.blocks[i] for i in run], (x, kvs, shared),
+                                       (jnp.stack([mods[i] for i in run]), jnp.asarray(run, jnp.int32), given), call)
+    for j, t in enumerate(names[0]):
+      state = state if t not in own else {**state, **{n[j]: own[t][r] for r, n in enumerate(names)}}
+    return x, kvs, state, new_length[0]
 
   def logits(self, h: Array, cond: Array) -> Array:
     """AdaLN before head (float32), then the head. [B, l, C] -> float32 logits [B, l, V]."""
@@ -223,13 +242,16 @@ class VAR(nn.Module):
 
 
 def _scan_runs(hooks: Optional[Sequence[Optional[BlockHooks]]], lengths: Sequence[int]) -> list[list[int]]:
-  """The blocks in order, grouped: maximal runs of consecutive blocks without hooks whose caches
-  hold the same length, and each block with hooks alone."""
+  """The blocks in order, grouped: maximal runs of consecutive blocks that compute alike (no hooks,
+  or hooks of one `scan_group`) and whose caches hold the same length; a block whose hooks have
+  no group runs alone."""
+  def group(i):
+    h = None if hooks is None else hooks[i]
+    return ('plain',) if h is None else h.scan_group()
   runs: list[list[int]] = []
   for i, n in enumerate(lengths):
-    plain = hooks is None or hooks[i] is None
-    last = runs[-1] if runs else None
-    if plain and last and (hooks is None or hooks[last[-1]] is None) and lengths[last[-1]] == n:
+    g, last = group(i), runs[-1] if runs else None
+    if g is not None and last and group(last[-1]) == g and lengths[last[-1]] == n:
       last.append(i)
     else:
       runs.append([i])

@@ -225,9 +225,9 @@ def make_sampler(var_cfg: VARConfig, vq_cfg: VQVAEConfig, policy: Optional[Scale
                  return_fhats: bool = False, return_logits: bool = False, scan_blocks: bool = False):
   """A pure, jit-compiled sampler `sample(params, key, labels, *, cfg, top_k, top_p) -> (images, aux)`.
 
-  `scan_blocks`: the KV caches stacked on a layer axis, and each scale's runs of blocks without
-  hooks as one `lax.scan` (`VAR.run_blocks`): the program holds a block per run, not per block, and
-  compiles that much faster; the images are the unrolled sampler's. benchmarks/RESULTS.md has its
-  cost at run time.
+  `scan_blocks`: the KV caches stacked on a layer axis, and each scale's runs of alike blocks (no
+  hooks, or a policy's hooks of one `scan_group`) as one `lax.scan` (`VAR.run_blocks`): the program
+  holds a block per run, not per block, and compiles that much faster; the images are the unrolled
+  sampler's. benchmarks/RESULTS.md has its cost at run time.
   """
   return _Sampler(var_cfg, vq_cfg, policy or BASELINE, return_fhats, return_logits, scan_blocks)
