@@ -209,12 +209,14 @@ class VAR(nn.Module):
                          state=shared if template is None else {**shared, **own})
       new_length.append(kv.length)
       if template is not None:
-        shared, own = {k: v for k, v in out.items() if k not in names[0]}, {t: out[t] for t in names[0] if t in out}
+        shared = {k: v for k, v in out.items() if k not in names[0]}
+        own = {t: out[t] for t in names[0] if t in out}
       return (x, caches.put(i, kv, length), shared), own
     (x, kvs, state), own = scan_blocks([self.blocks[i] for i in run], (x, kvs, shared),
                                        (jnp.stack([mods[i] for i in run]), jnp.asarray(run, jnp.int32), given), call)
     for j, t in enumerate(names[0]):
-      state = state if t not in own else {**state, **{n[j]: own[t][r] for r, n in enumerate(names)}}
+      if t in own:
+        state = {**state, **{n[j]: own[t][r] for r, n in enumerate(names)}}
     return x, kvs, state, new_length[0]
 
   def logits(self, h: Array, cond: Array) -> Array:
