@@ -13,8 +13,9 @@ attention on both sides; cfg 1.5, top-k 900, top-p 0.96):
                  and without skip-2, and skip-2 alone;
   d30         -- VAR-d30 at 256 px; their var256 presets;
   smoke       -- a 2-block VAR at 256 px, for checking this script on a CPU (--attn xla).
---scan on / both: the VAR samplers with each scale's runs of blocks without hooks as one
-`lax.scan` (`make_sampler(..., scan_blocks=True)`), as rows 'spec@scan'.
+--scan on / both: the VAR samplers with each scale's runs of alike blocks (no hooks, or a
+policy's hooks of one scan group) as one `lax.scan` (`make_sampler(..., scan_blocks=True)`), as
+rows 'spec@scan'.
 Every sampler is lowered in turn and compiled in a pool of --compile_workers threads (compile
 seconds are each program's own wall time, under that contention), then, after --wait_for
 exists (so the compiles can overlap other GPU work), each is timed alone: medians of --iters

@@ -41,12 +41,8 @@ from timing import step_times, time_compiled, xla_variants
 from var_models.nn import attention as attn_lib
 from var_models.nn.attention import KVCache
 from var_models.nn.blocks import AdaLNSelfAttn, trunc_normal
+from var_models.nn.scan import stack_layers
 from var_models.nn.vit import Block
-
-
-def stack(trees: list) -> object:
-  """Per-layer pytrees -> one pytree whose leaves are stacked on a leading layer axis."""
-  return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
 
 def block(width: int, heads: int, dtype) -> AdaLNSelfAttn:
@@ -112,7 +108,7 @@ def train_main(args):
   keys = jax.random.split(jax.random.key(0), args.depth)
   per_layer = [jax.jit(blk.init)(k, x[:1])['params'] for k in keys]
   programs = {'unrolled': (train_unrolled, per_layer),
-              'scan': (train_scanned, stack(per_layer))}
+              'scan': (train_scanned, stack_layers(per_layer))}
   grads = {}
   for options in xla_variants(args.xla):
     for name, (fn, params) in programs.items():
@@ -121,7 +117,7 @@ def train_main(args):
       print(f"{name:8} {str(options or 'XLA defaults'):45} compile {compile_s:6.1f} s  synced {ms['synced']:8.3f} ms  "
             f"dispatch {ms['dispatch']:8.3f} ms  back to back {ms['back_to_back']:8.3f} ms  loss {float(loss):.6f}",
             flush=True)
-    stacked = stack(grads['unrolled'])
+    stacked = stack_layers(grads['unrolled'])
     diff = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(a)) + 1e-30))
                for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(grads['scan'])))
     print(f'scan against unrolled: gradients within {diff:.3g} of their largest entry', flush=True)
@@ -155,7 +151,7 @@ def main():
   x0 = jnp.zeros((rows, 1, c), dtype)
   per_layer = [jax.jit(blk.init)(k, x0, jnp.zeros((rows, 6, c), dtype))['params'] for k in keys]
   per_layer = [jax.tree.map(lambda a: a.astype(dtype), p) for p in per_layer]
-  stacked = stack(per_layer)
+  stacked = stack_layers(per_layer)
   weights = floors.weight_bytes(per_layer, dtype)
   mods = jax.random.normal(jax.random.key(1), (args.depth, rows, 6, c), dtype) * 0.1
   print(f'{args.depth} blocks of width {c}: {weights / 1e9:.2f} GB of weights; floor at '

@@ -31,8 +31,8 @@ from var_models.var.sampler import make_sampler as make_var_sampler
 Array = jax.Array
 
 # The settings a command line may override per family: cfg (the guidance scale), top_k, top_p,
-# scan_blocks (VAR),
-# num_iter, temperature, cfg_schedule (MAR), num_steps (MAR: diffusion steps; E-CAR: Euler steps in all).
+# scan_blocks (VAR), num_iter, temperature, cfg_schedule (MAR), num_steps (MAR: diffusion steps;
+# E-CAR: Euler steps in all).
 OVERRIDES = {'var': ('cfg', 'top_k', 'top_p', 'scan_blocks'), 'mar': ('cfg', 'num_iter', 'temperature', 'cfg_schedule', 'num_steps'),
              'ecar': ('cfg', 'num_steps')}
 _NO_LABEL = np.zeros(1, np.int32)
@@ -84,7 +84,7 @@ def _var(config, o: dict) -> Sampling:
   var_cfg, vq_cfg = var_configs(config)
   s = config.sample
   opts = dict(cfg=_pick(o, 'cfg', s.cfg), top_k=_pick(o, 'top_k', s.top_k), top_p=_pick(o, 'top_p', s.top_p))
-  settings = dict(scan_blocks=bool(_pick(o, 'scan_blocks', s.get('scan_blocks', False))))
+  settings = dict(scan_blocks=_pick(o, 'scan_blocks', s.scan_blocks))
   check_var_sample_args(var_cfg, _NO_LABEL, **opts)
   load = lambda ckpt, key: (load_var_params(var_cfg, vq_cfg, ckpt) if ckpt else
                             init_var_params(var_cfg, vq_cfg, key))

@@ -37,6 +37,12 @@ def _both(var_cfg, vq_cfg, params, policy=None):
   return out
 
 
+def _qkv_dots(lowered, width: int) -> list[str]:
+  """The lowered program's qkv GEMMs (a result of 3 x width channels)."""
+  return [ln for ln in lowered.as_text().splitlines()
+          if 'stablehlo.dot_general' in ln and ln.endswith(f'x{3 * width}xf32>')]
+
+
 def _assert_same(unrolled, scanned):
   (images_u, aux_u), (images_s, aux_s) = unrolled, scanned
   for a, b in zip(aux_u['indices'], aux_s['indices'], strict=True):
@@ -68,10 +74,8 @@ def test_the_scanned_program_holds_one_block_per_run(deep_var):
   width = var_cfg.width
 
   def qkv_dots(scan):
-    lines = make_sampler(var_cfg, vq_cfg, scan_blocks=scan).lower(params, jax.random.key(0), LABELS).as_text()
-    lines = lines.splitlines()
-    qkv = [ln for ln in lines if 'stablehlo.dot_general' in ln and ln.endswith(f'x{3 * width}xf32>')]
-    return len(qkv), sum('stablehlo.while' in ln for ln in lines)
+    lowered = make_sampler(var_cfg, vq_cfg, scan_blocks=scan).lower(params, jax.random.key(0), LABELS)
+    return len(_qkv_dots(lowered, width)), lowered.as_text().count('stablehlo.while')
   dots_u, loops_u = qkv_dots(False)
   dots_s, loops_s = qkv_dots(True)
   assert loops_s - loops_u == var_cfg.schedule.num_scales
@@ -94,8 +98,8 @@ def test_the_fastvar_blocks_of_a_pruned_scale_run_as_one_scan(deep_var):
   var_cfg, vq_cfg, params = deep_var
   policy = FastVAR(ratios=((3, 0.5), (4, 0.5)), cache_at=2, blocks=(1, 2, 3))
   with pk.override('interpret'):
-    text = make_sampler(var_cfg, vq_cfg, policy, scan_blocks=True).lower(params, jax.random.key(0), LABELS).as_text()
-  qkv = [ln for ln in text.splitlines() if 'stablehlo.dot_general' in ln and ln.endswith(f'x{3 * var_cfg.width}xf32>')]
+    qkv = _qkv_dots(make_sampler(var_cfg, vq_cfg, policy, scan_blocks=True).lower(params, jax.random.key(0), LABELS),
+                    var_cfg.width)
   keep = {3: 9 - int(9 * 0.5), 4: 16 - int(16 * 0.5)}
   for side, k in keep.items():
     assert sum(ln.endswith(f'x{k}x{3 * var_cfg.width}xf32>') for ln in qkv) == 1, side

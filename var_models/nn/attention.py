@@ -205,6 +205,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: Mask = None,
   return _BACKENDS[backend](q, k, v, mask, scale, kv_len)
 
 
+def _zero_buffers(n: int, shape: tuple[int, ...], dtype) -> list[jax.Array]:
+  """n zero-filled buffers of `shape`, each its own (KV caches, written in place later)."""
+  # Each buffer is filled from its own zero, which the inner barrier hides from XLA: from one
+  # zero constant, CSE would merge the n fills into one buffer and copy it into every cache (a
+  # read and a write per byte). The outer barrier keeps XLA from folding a fill and the first
+  # append into a pad kernel, which writes slower (RESULTS.md, VAR d30).
+  zeros = jax.lax.optimization_barrier(jnp.zeros((n,), dtype))
+  return jax.lax.optimization_barrier([jnp.broadcast_to(zeros[i], shape) for i in range(n)])
+
+
 @flax.struct.dataclass
 class KVCache:
   """Preallocated keys/values [B, capacity, H, D]; `length` is static.
@@ -225,13 +235,7 @@ class KVCache:
   def create_many(cls, n: int, batch: int, capacity: int, heads: int, head_dim: int,
                   dtype) -> list['KVCache']:
     """n empty caches (one per layer), each as `create` makes it."""
-    shape = (batch, capacity, heads, head_dim)
-    # Each buffer is filled from its own zero, which the inner barrier hides from XLA: from
-    # one zero constant, CSE would merge the 2n fills into one buffer and copy it into every
-    # cache (a read and a write per byte). The outer barrier keeps XLA from folding a fill
-    # and the first append into a pad kernel, which writes slower (RESULTS.md, VAR d30).
-    zeros = jax.lax.optimization_barrier(jnp.zeros((2 * n,), dtype))
-    bufs = jax.lax.optimization_barrier([jnp.broadcast_to(zeros[i], shape) for i in range(2 * n)])
+    bufs = _zero_buffers(2 * n, (batch, capacity, heads, head_dim), dtype)
     return [cls(bufs[2 * i], bufs[2 * i + 1], 0) for i in range(n)]
 
   @property
@@ -279,16 +283,8 @@ class LayerKVCaches:
   @classmethod
   def create(cls, depth: int, batch: int, capacity: int, heads: int, head_dim: int, dtype) -> 'LayerKVCaches':
     """Empty caches, zero-filled: k and v [depth, batch, capacity, heads, head_dim]."""
-    shape = (depth, batch, capacity, heads, head_dim)
-    # Two fills XLA can neither merge into one buffer (CSE) nor fold into the first write (a
-    # slower pad kernel): the reasons of `KVCache.create_many`.
-    zeros = jax.lax.optimization_barrier(jnp.zeros((2,), dtype))
-    k, v = jax.lax.optimization_barrier([jnp.broadcast_to(zeros[i], shape) for i in range(2)])
+    k, v = _zero_buffers(2, (depth, batch, capacity, heads, head_dim), dtype)
     return cls(k, v, (0,) * depth)
-
-  @property
-  def depth(self) -> int:
-    return self.k.shape[0]
 
   def layer(self, i, length: Optional[int] = None) -> KVCache:
     """Layer i's cache [B, capacity, H, D]: i an int, or traced with its static `length`."""

@@ -15,6 +15,11 @@ import jax
 import jax.numpy as jnp
 
 
+def stack_layers(trees: Sequence[Any]) -> Any:
+  """Per-layer pytrees of one structure -> one pytree whose leaves are stacked on a leading layer axis."""
+  return jax.tree.map(lambda *a: jnp.stack(a), *trees)
+
+
 def scan_blocks(blocks: Sequence[nn.Module], carry: Any, xs: Any,
                 call: Callable[[nn.Module, Any, Any], tuple[Any, Any]]) -> tuple[Any, Any]:
   """carry through `blocks` in order -> (carry, ys): call(block, carry, x_i) -> (carry, y_i) for
@@ -25,7 +30,7 @@ def scan_blocks(blocks: Sequence[nn.Module], carry: Any, xs: Any,
   kinds = {type(b) for b in blocks}
   if len(kinds) != 1:
     raise ValueError(f'scan_blocks: the blocks must be of one class, got {sorted(k.__name__ for k in kinds)}')
-  stacked = jax.tree.map(lambda *p: jnp.stack(p), *[b.variables['params'] for b in blocks])
+  stacked = stack_layers([b.variables['params'] for b in blocks])
   body = blocks[0].clone(parent=None)
 
   def step(c, layer):
