@@ -15,7 +15,8 @@ attention on both sides; cfg 1.5, top-k 900, top-p 0.96):
   smoke       -- a 2-block VAR at 256 px, for checking this script on a CPU (--attn xla).
 --scan on / both: the VAR samplers with each scale's runs of alike blocks (no hooks, or a
 policy's hooks of one scan group) as one `lax.scan` (`make_sampler(..., scan_blocks=True)`), as
-rows 'spec@scan'.
+rows 'spec@scan'. --xla 'a=1;b=true': every VAR sampler compiled again under each set of XLA options,
+as rows 'spec xla1', 'spec xla2', ... (the first set, '' by default, is XLA's defaults).
 Every sampler is lowered in turn and compiled in a pool of --compile_workers threads (compile
 seconds are each program's own wall time, under that contention), then, after --wait_for
 exists (so the compiles can overlap other GPU work), each is timed alone: medians of --iters
@@ -46,7 +47,7 @@ from accel import LazyMAR, policy_from_spec
 from accel.fidelity import peak_bytes
 from accel.lazymar_flops import lazymar_sampling_flops, official_extra
 from accel.timing import compiled_in
-from timing import call_times, device_events, kernel_class, line_splits, print_top_device_ops
+from timing import call_times, device_events, kernel_class, line_splits, print_top_device_ops, xla_variants
 from var_models.flop_count import flops
 from var_models.mar import model as mar_model
 from var_models.mar.flops import sampling_flops
@@ -100,16 +101,18 @@ def build(model: str, attn: str, policies: str):
   return var_cfg, vq_cfg, params, specs
 
 
-def sampler_names(specs: tuple[str, ...], scan: str) -> tuple[str, ...]:
+def sampler_names(specs: tuple[str, ...], scan: str, variants: int = 1) -> tuple[str, ...]:
   """The samplers of a model: the baseline and each spec, unrolled (`spec`), with their blocks
-  scanned (`spec@scan`), or both (--scan off / on / both), the unrolled baseline first."""
+  scanned (`spec@scan`), or both (--scan off / on / both), the unrolled baseline first; each
+  compiled under every set of --xla options after the first too (`spec@scan xla1`, ...)."""
   modes = {'off': ('',), 'on': ('@scan',), 'both': ('', '@scan')}[scan]
-  return tuple(spec + mode for mode in modes for spec in ('baseline',) + specs)
+  return tuple(spec + mode + (f' xla{k}' if k else '') for k in range(variants) for mode in modes
+               for spec in ('baseline',) + specs)
 
 
 def sampler_job(var_cfg, vq_cfg, params, name: str, batch: int):
   """(lowered sampler, args maker) of one sampler (`sampler_names`) at one batch."""
-  spec, _, scan = name.partition('@')
+  spec, _, scan = name.split(' ')[0].partition('@')
   sample = make_sampler(var_cfg, vq_cfg, policy_from_spec(spec), scan_blocks=bool(scan))
   labels = np.arange(batch, dtype=np.int32) % var_cfg.num_classes
   lab, cfg = jnp.asarray(labels), jnp.float32(OPTS['cfg'])
@@ -124,10 +127,11 @@ def decoder_job(vq_cfg, params, batch: int):
   return decode.lower(params['vqvae'], f_hat), lambda i: (params['vqvae'], f_hat + i)
 
 
-def compile_in(pool, name, lowered):
-  """A future of (name, (compiled, compile s)): the compile runs in the pool while the caller lowers on."""
+def compile_in(pool, name, lowered, options=None):
+  """A future of (name, (compiled, compile s)): the compile (with XLA `options`) runs in the pool while
+  the caller lowers on."""
   def one():
-    compiled, seconds = compiled_in(lowered)
+    compiled, seconds = compiled_in(lowered, options)
     print(f'compiled {name} in {seconds:.1f} s', flush=True)
     return name, (compiled, seconds)
   return pool.submit(one)
@@ -164,17 +168,18 @@ def wait_for(path: str) -> None:
 def lower_and_compile(args, batches):
   """(models {name: build(...)}, makers {(model, batch, name): args maker}, compiled {...: (program,
   compile s)}) of the decoder, the baseline and each policy per model and batch."""
-  models, makers, futures = {}, {}, []
+  models, makers, futures, variants = {}, {}, [], xla_variants(args.xla)
   with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
     for model in args.models.split(','):
       var_cfg, vq_cfg, params, specs = models[model] = build(model, args.attn, args.policies)
       for batch in batches:
         jobs = [('decoder', lambda: decoder_job(vq_cfg, params, batch))]
         jobs += [(name, lambda name=name: sampler_job(var_cfg, vq_cfg, params, name, batch))
-                 for name in sampler_names(specs, args.scan)]
+                 for name in sampler_names(specs, args.scan, len(variants))]
         for name, job in jobs:
           lowered, makers[model, batch, name] = job()
-          futures.append(compile_in(pool, (model, batch, name), lowered))
+          options = variants[int(name.partition(' xla')[2] or 0)]
+          futures.append(compile_in(pool, (model, batch, name), lowered, options))
     print(f'lowered {len(futures)} programs', flush=True)
     compiled = dict(f.result() for f in futures)
   print('compiled', flush=True)
@@ -330,6 +335,8 @@ def main():
                   "model's presets)")
   ap.add_argument('--scan', default='off', choices=('off', 'on', 'both'),
                   help="VAR samplers with their blocks scanned ('spec@scan' rows), unrolled, or both")
+  ap.add_argument('--xla', default='', help="';'-separated sets of XLA options ('a=1,b=true'), each compiling "
+                  "every VAR sampler apart (rows 'spec xla1', ...; '' is XLA's defaults)")
   ap.add_argument('--warmup', type=int, default=2)
   ap.add_argument('--iters', type=int, default=10)
   ap.add_argument('--compile_workers', type=int, default=8)
@@ -366,12 +373,12 @@ def main():
     var_cfg, _, _, specs = models[model]
     dec_prog, dec_compile = compiled[model, batch, 'decoder']
     dec_ms = time_calls(dec_prog, makers[model, batch, 'decoder'], args.warmup, args.iters)
-    names = sampler_names(specs, args.scan)
+    names = sampler_names(specs, args.scan, len(xla_variants(args.xla)))
     rows += time_samplers(model, batch, names, compiled, makers, dec_ms, args)
     for spec in names if args.profile and batch == batches[0] else ():
       split = [f'{model} B={batch} {spec} profile (decoder alone {dec_ms:.2f} ms, compile {dec_compile:.1f} s):']
       split += profile_split(compiled[model, batch, spec][0], makers[model, batch, spec],
-                             os.path.join(args.profile, f"{model}_b{batch}_{spec.replace(':', '_')}"),
+                             os.path.join(args.profile, f"{model}_b{batch}_{spec.replace(':', '_').replace(' ', '_')}"),
                              var_cfg.schedule.num_scales, var_cfg.depth)
       notes += split
       print('\n'.join(split), flush=True)

@@ -117,3 +117,14 @@ def test_layer_caches_put_writes_only_the_new_rows_of_the_layer():
   np.testing.assert_array_equal(out.k, want_k)
   assert out.v[1, 0, 4, 0, 0] == 8.0 and out.v[1, 0, 5, 0, 0] == 2.0 and out.lengths == (2, 2, 1)
   assert isinstance(layer, KVCache) and layer.length == 2
+
+
+def test_a_scanned_layer_takes_only_its_valid_keys_and_room_for_the_step():
+  caches = LayerKVCaches.create(3, 2, 9, 1, 4, jnp.float32)
+  caches = LayerKVCaches(caches.k + jnp.arange(3.0)[:, None, None, None, None], caches.v, (4, 4, 4))
+  layer = caches.layer(jnp.int32(2), 4, rows=3)
+  assert layer.k.shape == (2, 7, 1, 4) and layer.length == 4
+  np.testing.assert_array_equal(layer.k, 2.0)
+  assert caches.layer(0, rows=8).capacity == 9     # never past the buffer
+  with pytest.raises(ValueError, match='overflow'):
+    layer.append(jnp.ones((2, 4, 1, 4)), jnp.ones((2, 4, 1, 4)))

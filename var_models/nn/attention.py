@@ -272,9 +272,10 @@ class LayerKVCaches:
   """The KV caches of `depth` layers as one buffer each: k, v [depth, B, capacity, H, D].
 
   `lengths` (static) holds each layer's valid length: layers whose policy forwarded fewer tokens
-  hold fewer keys. Layer i's cache is `layer(i)`; a scan over layers of one length reads it with
-  a traced i (`layer(i, length)`) in place, and `put(i, kv)` writes the layer's new rows back,
-  so the scanned blocks update the buffer without copying it.
+  hold fewer keys. Layer i's cache is `layer(i)`; a scan over layers of one length takes it with
+  a traced i (`layer(i, length, rows)`: the layer's valid keys copied out, with room for the
+  step's, as the attention kernels take whole buffers), and `put(i, kv)` writes the layer's new
+  rows back in place, so the stacked buffer itself is never copied.
   """
   k: jax.Array
   v: jax.Array
@@ -286,9 +287,14 @@ class LayerKVCaches:
     k, v = _zero_buffers(2, (depth, batch, capacity, heads, head_dim), dtype)
     return cls(k, v, (0,) * depth)
 
-  def layer(self, i, length: Optional[int] = None) -> KVCache:
-    """Layer i's cache [B, capacity, H, D]: i an int, or traced with its static `length`."""
-    return KVCache(self.k[i], self.v[i], self.lengths[i] if length is None else length)
+  def layer(self, i, length: Optional[int] = None, rows: Optional[int] = None) -> KVCache:
+    """Layer i's cache: i an int, or traced with its static `length`. [B, capacity, H, D], or with
+    `rows` only room for that many more keys ([B, length + rows, H, D]: a scanned layer copies
+    its slice of the buffer, so it copies no more than its keys and this step's)."""
+    length = self.lengths[i] if length is None else length
+    end = self.k.shape[2] if rows is None else min(length + rows, self.k.shape[2])
+    k, v = (jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)[:, :end] for a in (self.k, self.v))
+    return KVCache(k, v, length)
 
   def put(self, i, kv: KVCache, length: Optional[int] = None) -> 'LayerKVCaches':
     """Writes rows [length, kv.length) of layer i's cache `kv` back (i and `length` as in `layer`);

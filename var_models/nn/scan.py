@@ -3,8 +3,9 @@
 The parameters stay where they are, one subtree per block (`blocks_0`, `blocks_1`, ...): the scan
 stacks them inside the traced function, so checkpoints and converters see the same tree, and the
 program holds one block where it held `len(blocks)`: it compiles once, not once per block.
-Stacking reads and writes the blocks' parameters once per call; blocks that compute in a lower
-dtype than their parameters cast them anyway, and XLA folds the stack into that cast.
+Stacking reads and writes the blocks' parameters once per call (every scan of a program over the
+same blocks stacks them all, and XLA keeps one stack); blocks that compute in a lower dtype than
+their parameters cast them anyway, and XLA folds the stack into that cast.
 """
 from __future__ import annotations
 
@@ -20,13 +21,15 @@ def stack_layers(trees: Sequence[Any]) -> Any:
   return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
 
-def scan_blocks(blocks: Sequence[nn.Module], carry: Any, xs: Any,
+def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, xs: Any,
                 call: Callable[[nn.Module, Any, Any], tuple[Any, Any]]) -> tuple[Any, Any]:
-  """carry through `blocks` in order -> (carry, ys): call(block, carry, x_i) -> (carry, y_i) for
-  each, where block is blocks[i], x_i the i-th slice of `xs` and ys the y_i stacked (pytrees of
-  arrays with a leading axis of len(blocks)). `blocks`: bound submodules of one class and
-  configuration (a deterministic call may differ in what it ignores, e.g. drop-path rates). Runs
-  one `lax.scan`; `call` is traced once, on a copy of blocks[0] bound to each block's parameters."""
+  """carry through blocks[layers[0]], blocks[layers[1]], ... -> (carry, ys): call(block, carry,
+  x_j) -> (carry, y_j) for each, where x_j is the j-th slice of `xs` and ys the y_j stacked
+  (pytrees of arrays with a leading axis of len(layers)). `blocks`: bound submodules of one class
+  and configuration (a deterministic call may differ in what it ignores, e.g. drop-path rates).
+
+  Runs one `lax.scan`; `call` is traced once, on a copy of blocks[0] bound to each layer's
+  parameters (all of `blocks` stacked, whichever `layers` run: see the module docstring)."""
   kinds = {type(b) for b in blocks}
   if len(kinds) != 1:
     raise ValueError(f'scan_blocks: the blocks must be of one class, got {sorted(k.__name__ for k in kinds)}')
@@ -34,6 +37,7 @@ def scan_blocks(blocks: Sequence[nn.Module], carry: Any, xs: Any,
   body = blocks[0].clone(parent=None)
 
   def step(c, layer):
-    params, x = layer
+    i, x = layer
+    params = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stacked)
     return call(body.bind({'params': params}), c, x)
-  return jax.lax.scan(step, carry, (stacked, xs))
+  return jax.lax.scan(step, carry, (jnp.asarray(layers, jnp.int32), xs))

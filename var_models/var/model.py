@@ -205,14 +205,14 @@ class VAR(nn.Module):
     def call(block, carry, layer):
       x, caches, shared = carry
       mod, i, own = layer
-      x, kv, out = block(x, mod, mask=mask, kv=caches.layer(i, length), hooks=template,
+      x, kv, out = block(x, mod, mask=mask, kv=caches.layer(i, length, x.shape[1]), hooks=template,
                          state=shared if template is None else {**shared, **own})
       new_length.append(kv.length)
       if template is not None:
         shared = {k: v for k, v in out.items() if k not in names[0]}
         own = {t: out[t] for t in names[0] if t in out}
       return (x, caches.put(i, kv, length), shared), own
-    (x, kvs, state), own = scan_blocks([self.blocks[i] for i in run], (x, kvs, shared),
+    (x, kvs, state), own = scan_blocks(self.blocks, run, (x, kvs, shared),
                                        (jnp.stack([mods[i] for i in run]), jnp.asarray(run, jnp.int32), given), call)
     for j, t in enumerate(names[0]):
       if t in own:
