@@ -30,11 +30,14 @@
     per (batch row, head, query group) of the Infinity-2B and -8B decision scales):
     `pk.top_k_indices` (a set, in index order) against lax.top_k (XLA sorts each row),
     exact set equality, bandwidth against the device copy.
+(g) A dense layer of weights stacked on a layer axis (a scanned block's) at Infinity-2B's four
+    shapes and 2-128 rows, 32 layers in a loop: `pk.layer_dense` against XLA's GEMM of the
+    copied slice and of separate weights, against the floor of reading the weights once.
 
 Every kernel is first checked against a float32 XLA computation on the same
 bf16 inputs (relative L2 error). Times: medians over repetitions of many
 back-to-back calls (inputs rotated beyond L2) after warm-up; compile apart.
-Usage (GPU): PYTHONPATH=. python3 benchmarks/kernels.py [--only a,b,c,d,e,f]
+Usage (GPU): PYTHONPATH=. python3 benchmarks/kernels.py [--only a,b,c,d,e,f,g]
 CPU smoke run of the script itself (tiny shapes, interpret mode): --smoke
 """
 from __future__ import annotations
@@ -554,6 +557,42 @@ def bench_column_sums(args, ceil):
          'fraction of floor', 'error vs float32 XLA', 'compile s'], rows)
 
 
+# -------------------------------------------------------------------------- (g)
+def bench_layer_dense(args, ceil):
+  """One Dense of each of 32 layers, its weights stacked on a layer axis (a scanned block's),
+  summed over the layers in a loop: `pk.layer_dense` (weights read in place) against XLA's GEMM of
+  the copied slice (the scan without the kernel) and of 32 separate weights (the unrolled blocks),
+  with the floor of reading every layer's weights once."""
+  impl = 'interpret' if args.smoke else 'triton'
+  depth, dtype = (2, jnp.float32) if args.smoke else (32, jnp.bfloat16)
+  shapes = [(64, 128)] if args.smoke else [(2048, 6144), (2048, 2048), (2048, 8192), (8192, 2048)]
+  row_counts = (2, 16) if args.smoke else (2, 16, 64, 128)
+  rows = []
+  for k, n in shapes:
+    w = (jax.random.normal(jax.random.key(k + n), (depth, k, n)) / np.sqrt(k)).astype(dtype)
+    b = jax.random.normal(jax.random.key(1), (depth, n)).astype(dtype)
+    ws, bs = list(w), list(b)
+    for m in row_counts:
+      x = jax.random.normal(jax.random.key(m), (m, k), dtype)
+      want = sum(x.astype(jnp.float32) @ ws[i].astype(jnp.float32) + bs[i] for i in range(depth))
+      variants = {
+          'pallas layer_dense': (lambda x, w, b: jax.lax.fori_loop(
+              0, depth, lambda i, acc: acc + pk.layer_dense(x, w, b, i, impl=impl), jnp.zeros((m, n), dtype)),
+              (x, w, b)),
+          'XLA, slice copied': (lambda x, w, b: jax.lax.fori_loop(
+              0, depth, lambda i, acc: acc + pk.layer_dense(x, w, b, i, impl='reference'), jnp.zeros((m, n), dtype)),
+              (x, w, b)),
+          'XLA, separate weights': (lambda x, ws, bs: sum(x @ wi + bi for wi, bi in zip(ws, bs)), (x, ws, bs)),
+      }
+      _, floor = floor_ms(0, depth * k * n * jnp.dtype(dtype).itemsize, ceil)
+      for name, (fn, inputs) in variants.items():
+        compile_s, ms = timeit(fn, [inputs], 2 if args.smoke else 50)
+        err = rel_err(jax.jit(fn)(*inputs), want)
+        rows.append((f'{depth} x [{k}, {n}], {m} rows', name, ms * 1e3, floor / ms, err, compile_s))
+  table('(g) a dense layer of stacked weights per layer, summed over the layers (floor: the weights read once)',
+        ['shape', 'variant', 'median us', 'fraction of floor', 'rel. L2 error', 'compile s'], rows)
+
+
 # -------------------------------------------------------------------------- (f)
 def bench_top_k(args, ceil):
   impl = 'interpret' if args.smoke else 'triton'
@@ -578,7 +617,7 @@ def bench_top_k(args, ceil):
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--only', default='a,b,c,d,e,f')
+  p.add_argument('--only', default='a,b,c,d,e,f,g')
   p.add_argument('--smoke', action='store_true', help='tiny shapes, interpret mode (CPU)')
   p.add_argument('--bwd_configs', default='',
                  help="extra backward variants for (b), e.g. '32x64w4,64x128w8'")
@@ -588,7 +627,7 @@ def main():
   print(f'measured ceilings: copy {ceil["copy_gbs"]:.0f} GB/s (read + write), '
         f'bf16 matmul {ceil["tflops"]:.0f} TFLOP/s')
   parts = dict(a=bench_csla, b=bench_training, c=bench_gather, d=bench_gathered,
-               e=bench_column_sums, f=bench_top_k)
+               e=bench_column_sums, f=bench_top_k, g=bench_layer_dense)
   for part in args.only.split(','):
     try:
       parts[part](args, ceil)

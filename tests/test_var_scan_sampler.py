@@ -2,6 +2,7 @@
 every policy, one block per run of alike blocks in the program (accelerated ones too), the stacked
 caches written in place."""
 import dataclasses
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import pytest
 import pallas_kernels as pk
 from accel import FastVAR, LazyVAR, SparVAR
 from accel.fastvar import FastVARHooks
+from var_models.nn import scan as scan_module
 from var_models.nn.attention import KVCache, LayerKVCaches
 from var_models.nn.blocks import BlockHooks
 from var_models.var.model import _scan_runs, init_params
@@ -92,11 +94,13 @@ def test_runs_group_blocks_that_compute_alike_with_caches_of_one_length():
   assert _scan_runs(pruned[:2] + [FastVARHooks('2', None, 4)] + pruned[3:], (3,) * 5) == [[0, 1], [2], [3, 4]]
 
 
-def test_the_fastvar_blocks_of_a_pruned_scale_run_as_one_scan(deep_var):
+def test_the_fastvar_blocks_of_a_pruned_scale_run_as_one_scan(deep_var, monkeypatch):
   """FastVAR prunes in blocks 1-3 at its last two scales: those blocks are one scan (one qkv GEMM
-  of `keep` rows), the plain blocks 0 and 4 around them run alone."""
+  of `keep` rows), the plain blocks 0 and 4 around them run alone (XLA's GEMMs counted: the
+  stacked-weight kernel left out)."""
   var_cfg, vq_cfg, params = deep_var
   policy = FastVAR(ratios=((3, 0.5), (4, 0.5)), cache_at=2, blocks=(1, 2, 3))
+  monkeypatch.setattr(importlib.import_module('pallas_kernels.layer_dense'), 'AUTO_MAX_ROWS', 0)
   with pk.override('interpret'):
     qkv = _qkv_dots(make_sampler(var_cfg, vq_cfg, policy, scan_blocks=True).lower(params, jax.random.key(0), LABELS),
                     var_cfg.width)
@@ -128,3 +132,23 @@ def test_a_scanned_layer_takes_only_its_valid_keys_and_room_for_the_step():
   assert caches.layer(0, rows=8).capacity == 9     # never past the buffer
   with pytest.raises(ValueError, match='overflow'):
     layer.append(jnp.ones((2, 4, 1, 4)), jnp.ones((2, 4, 1, 4)))
+
+
+def test_scanned_dense_layers_read_the_stacked_weights_in_place(deep_var, monkeypatch):
+  """Under the Pallas kernels (interpret mode), every Dense of a scanned block is
+  `pallas_kernels.layer_dense` on the stacked weights; the images stay the unrolled ones."""
+  var_cfg, vq_cfg, params = deep_var
+  unrolled = _both(var_cfg, vq_cfg, params)[0]
+  stacks, kernel = [], pk.layer_dense
+
+  def layer_dense(x, w, b, layer, **kw):
+    stacks.append(w.shape)
+    return kernel(x, w, b, layer, **kw)
+  monkeypatch.setattr(scan_module.pk, 'layer_dense', layer_dense)
+  with pk.override('interpret'):
+    scanned = make_sampler(var_cfg, vq_cfg, scan_blocks=True, return_fhats=True)(
+        params, jax.random.key(4), LABELS, cfg=1.5, top_k=0, top_p=1.0)
+  c = var_cfg.width
+  assert set(stacks) == {(5, c, 3 * c), (5, c, c), (5, c, 4 * c), (5, 4 * c, c)}
+  assert len(stacks) == 4 * len(var_cfg.patch_nums)    # traced once per scale
+  _assert_same(unrolled, scanned)

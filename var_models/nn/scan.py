@@ -15,6 +15,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels as pk
+from pallas_kernels.layer_dense import runs_kernel
+from var_models.nn.blocks import DenseGELU
+
 
 def stack_layers(trees: Sequence[Any]) -> Any:
   """Per-layer pytrees of one structure -> one pytree whose leaves are stacked on a leading layer axis."""
@@ -39,5 +43,30 @@ def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, 
   def step(c, layer):
     i, x = layer
     params = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stacked)
-    return call(body.bind({'params': params}), c, x)
+    with nn.intercept_methods(_dense_in_place(stacked, i)):
+      return call(body.bind({'params': params}), c, x)
   return jax.lax.scan(step, carry, (jnp.asarray(layers, jnp.int32), xs))
+
+
+# The dense layers a scanned block may hold -> the activation after their affine map.
+_DENSE = {nn.Dense: lambda y: y, DenseGELU: lambda y: jax.nn.gelu(y, approximate=True)}
+
+
+def _dense_in_place(stacked: Any, layer: jax.Array):
+  """A flax method interceptor: each dense layer of the scanned block (`_DENSE`) that
+  `pallas_kernels.layer_dense` would run as its kernel (few rows, on a GPU) computes with its
+  stacked weights at `layer`, read in place, instead of the slice XLA copies out of the stack
+  for every layer; the others run as they are."""
+  def intercept(next_fun, args, kwargs, context):
+    module = context.module
+    if type(module) not in _DENSE or context.method_name != '__call__':
+      return next_fun(*args, **kwargs)
+    x, weights = args[0], stacked
+    for name in module.path:
+      weights = weights[name]
+    if not runs_kernel(x, weights['kernel']):
+      return next_fun(*args, **kwargs)
+    dtype = module.dtype or jnp.result_type(x, weights['kernel'])
+    y = pk.layer_dense(x.astype(dtype), weights['kernel'], weights.get('bias'), layer)
+    return _DENSE[type(module)](y)
+  return intercept

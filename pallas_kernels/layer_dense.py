@@ -1,0 +1,134 @@
+"""One layer's dense layer out of weights stacked on a layer axis, its weights read in place.
+
+`layer_dense(x, w, b, layer)` = x @ w[layer] + b[layer] for x [M, K], w [L, K, N], b [L, N] (or
+None) and `layer` an int32 scalar, traced inside a scan over the layers. XLA computes w[layer] as a
+copy before its GEMM: a dynamic slice feeds cuBLAS or a Triton GEMM fusion only through a buffer
+of its own (benchmarks/RESULTS.md, "VAR's scanned sampler on the GPU"), which at few rows moves
+the layer's weights three times instead of once. The Pallas kernel (Triton lowering) reads
+w[layer] straight from the stacked array: one program per (row block, column block, part of K)
+walks its part of K a tile at a time into a float32 partial product; K is split where the column
+blocks alone are too few programs to keep every SM streaming. The parts are summed and rounded to
+x's dtype, then the bias is added (as flax's Dense adds it).
+
+'auto' runs the kernel on an NVIDIA GPU for at most AUTO_MAX_ROWS rows, where the GEMM reads its
+weights and little else; XLA's GEMM of the copied slice elsewhere (the reference), where the
+copy is small beside the GEMM.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import dispatch
+
+# Rows up to which 'auto' streams the weights with the kernel: about half the rows at which an
+# H100's bf16 GEMM stops being bound by its weight reads (M rows do M flops per weight byte; ~800
+# TFLOP/s over ~3 TB/s is ~270 rows), halved for the kernel's lower compute rate. A prediction,
+# to be measured (NOTES.md).
+AUTO_MAX_ROWS = 128
+BLOCK_K = 64
+# Programs a call aims at (K split where the column blocks are fewer): about two per SM of an
+# H100 (132), so that every SM streams weights.
+TARGET_PROGRAMS = 264
+
+
+def reference(x, w, b, layer):
+  """x [M, K] @ w[layer] + b[layer] in x's dtype, through XLA (the slice copied)."""
+  y = x @ lax.dynamic_index_in_dim(w, layer, 0, keepdims=False).astype(x.dtype)
+  return y if b is None else y + lax.dynamic_index_in_dim(b, layer, 0, keepdims=False).astype(x.dtype)
+
+
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n: int, steps: int):
+  """One (row block, column block, K split): the split's float32 partial product."""
+  layer, col0, k0 = layer_ref[0], pl.program_id(1) * block_n, pl.program_id(2) * steps * BLOCK_K
+
+  def step(t, acc):
+    x = x_ref[:, pl.ds(k0 + t * BLOCK_K, BLOCK_K)]
+    w = plgpu.load(w_ref.at[layer, pl.ds(k0 + t * BLOCK_K, BLOCK_K), pl.ds(col0, block_n)])
+    return acc + lax.dot_general(x, w.astype(x.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+  o_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
+
+
+def _partials(x, w, layer, interpret: bool, block_m: int, block_n: int, splits: int, num_warps: int,
+              num_stages: int):
+  """[splits, M, N] float32: the products of K's `splits` equal parts."""
+  m, k = x.shape
+  n = w.shape[2]
+  return pl.pallas_call(
+      functools.partial(_kernel, block_n=block_n, steps=k // BLOCK_K // splits),
+      grid=(m // block_m, n // block_n, splits),
+      in_specs=[pl.BlockSpec((1,), lambda i, j, s: (0,)), pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
+                pl.BlockSpec(w.shape, lambda i, j, s: (0, 0, 0))],
+      out_specs=pl.BlockSpec((pl.squeezed, block_m, block_n), lambda i, j, s: (s, i, j)),
+      out_shape=jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name='layer_dense',
+  )(jnp.reshape(layer, (1,)).astype(jnp.int32), x, w)
+
+
+def _splits(programs: int, k_steps: int) -> int:
+  """The K splits that give about TARGET_PROGRAMS programs: the largest divisor of k_steps at most
+  TARGET_PROGRAMS / programs."""
+  want = max(1, TARGET_PROGRAMS // programs)
+  return max(d for d in range(1, k_steps + 1) if k_steps % d == 0 and d <= want)
+
+
+def _block(n: int, choices) -> Optional[int]:
+  return next((c for c in choices if n % c == 0), None)
+
+
+def unsupported(x, w) -> str:
+  """Why the kernel does not take these shapes ('' when it does)."""
+  if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+    return f'x dtype {x.dtype}'
+  if x.shape[1] % BLOCK_K:
+    return f'K={x.shape[1]} is not a multiple of {BLOCK_K}'
+  if _block(w.shape[2], (128, 64, 32, 16)) is None:
+    return f'N={w.shape[2]} is not a multiple of 16'
+  return ''
+
+
+def _resolve(x2, w, impl: str) -> str:
+  if impl == 'auto' and (x2.shape[0] > AUTO_MAX_ROWS or unsupported(x2, w)):
+    impl = 'reference'
+  return dispatch.resolve(impl, 'layer_dense has no Mosaic GPU kernel')
+
+
+def runs_kernel(x: jax.Array, w: jax.Array, impl: str = 'auto') -> bool:
+  """Whether `layer_dense(x, w, ..., impl=impl)` runs the kernel rather than the reference."""
+  return _resolve(x.reshape(-1, x.shape[-1]), w, impl) != 'reference'
+
+
+def layer_dense(x: jax.Array, w: jax.Array, b: Optional[jax.Array], layer, *, impl: str = 'auto',
+                block_n: int = 0, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+  """x [..., K] @ w[layer] + b[layer] -> [..., N] in x's dtype; w [L, K, N], b [L, N] or None,
+  `layer` an int scalar (traced or not). `impl`: as `dispatch.resolve` ('mosaic' is not built);
+  'auto' keeps more than AUTO_MAX_ROWS rows, and shapes `unsupported` names, on the reference."""
+  if w.ndim != 3 or x.shape[-1] != w.shape[1] or (b is not None and b.shape != (w.shape[0], w.shape[2])):
+    raise ValueError(f'layer_dense expects x [..., K], w [L, K, N], b [L, N]; got {x.shape}, {w.shape}, '
+                     f'{None if b is None else b.shape}')
+  x2 = x.reshape(-1, x.shape[-1])
+  impl = _resolve(x2, w, impl)
+  if impl == 'reference':
+    return reference(x, w, b, layer)
+  if why := unsupported(x2, w):
+    raise ValueError(f'layer_dense kernel: {why}')
+  rows, n = x2.shape[0], w.shape[2]
+  block_m = 16 if rows <= 16 else 64
+  m = -(-rows // block_m) * block_m
+  block_n = block_n or _block(n, (128, 64, 32, 16))
+  splits = _splits(m // block_m * n // block_n, x2.shape[1] // BLOCK_K)
+  parts = _partials(jnp.pad(x2, ((0, m - rows), (0, 0))), w, layer, impl == 'interpret', block_m, block_n,
+                    splits, num_warps, num_stages)
+  y = parts.sum(0)[:rows].astype(x.dtype)
+  if b is not None:
+    y = y + lax.dynamic_index_in_dim(b, layer, 0, keepdims=False).astype(x.dtype)
+  return y.reshape(*x.shape[:-1], n)
