@@ -575,13 +575,12 @@ def bench_layer_dense(args, ceil):
     for m in row_counts:
       x = jax.random.normal(jax.random.key(m), (m, k), dtype)
       want = sum(x.astype(jnp.float32) @ ws[i].astype(jnp.float32) + bs[i] for i in range(depth))
+      def looped(layer_impl):
+        return lambda x, w, b: jax.lax.fori_loop(
+            0, depth, lambda i, acc: acc + pk.layer_dense(x, w, b, i, impl=layer_impl), jnp.zeros((m, n), dtype))
       variants = {
-          'pallas layer_dense': (lambda x, w, b: jax.lax.fori_loop(
-              0, depth, lambda i, acc: acc + pk.layer_dense(x, w, b, i, impl=impl), jnp.zeros((m, n), dtype)),
-              (x, w, b)),
-          'XLA, slice copied': (lambda x, w, b: jax.lax.fori_loop(
-              0, depth, lambda i, acc: acc + pk.layer_dense(x, w, b, i, impl='reference'), jnp.zeros((m, n), dtype)),
-              (x, w, b)),
+          'pallas layer_dense': (looped(impl), (x, w, b)),
+          'XLA, slice copied': (looped('reference'), (x, w, b)),
           'XLA, separate weights': (lambda x, ws, bs: sum(x @ wi + bi for wi, bi in zip(ws, bs)), (x, ws, bs)),
       }
       _, floor = floor_ms(0, depth * k * n * jnp.dtype(dtype).itemsize, ceil)

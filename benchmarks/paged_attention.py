@@ -20,22 +20,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
+from timing import call_times
+
 
 def median_ms(fn, args, iters: int) -> float:
-  for _ in range(2):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times) * 1e3
+  """Median ms of `iters` calls fn(*args) after 2 (`timing.call_times`)."""
+  return statistics.median(call_times(fn, lambda i: args, 2, iters)) * 1e3
 
 
 def programs(depth: int, batch: int, pages: int, page: int, queries: int, kv_len: int, scale: float):

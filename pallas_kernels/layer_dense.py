@@ -38,10 +38,17 @@ BLOCK_K = 64
 TARGET_PROGRAMS = 264
 
 
+BLOCK_N_CHOICES = (128, 64, 32, 16)   # the column block: the largest dividing N
+
+
+def _plus_bias(y, b, layer):
+  """y + b[layer] in y's dtype (b None: y)."""
+  return y if b is None else y + lax.dynamic_index_in_dim(b, layer, 0, keepdims=False).astype(y.dtype)
+
+
 def reference(x, w, b, layer):
   """x [M, K] @ w[layer] + b[layer] in x's dtype, through XLA (the slice copied)."""
-  y = x @ lax.dynamic_index_in_dim(w, layer, 0, keepdims=False).astype(x.dtype)
-  return y if b is None else y + lax.dynamic_index_in_dim(b, layer, 0, keepdims=False).astype(x.dtype)
+  return _plus_bias(x @ lax.dynamic_index_in_dim(w, layer, 0, keepdims=False).astype(x.dtype), b, layer)
 
 
 def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n: int, steps: int):
@@ -91,7 +98,7 @@ def unsupported(x, w) -> str:
     return f'x dtype {x.dtype}'
   if x.shape[1] % BLOCK_K:
     return f'K={x.shape[1]} is not a multiple of {BLOCK_K}'
-  if _block(w.shape[2], (128, 64, 32, 16)) is None:
+  if _block(w.shape[2], BLOCK_N_CHOICES) is None:
     return f'N={w.shape[2]} is not a multiple of 16'
   return ''
 
@@ -124,11 +131,8 @@ def layer_dense(x: jax.Array, w: jax.Array, b: Optional[jax.Array], layer, *, im
   rows, n = x2.shape[0], w.shape[2]
   block_m = 16 if rows <= 16 else 64
   m = -(-rows // block_m) * block_m
-  block_n = block_n or _block(n, (128, 64, 32, 16))
+  block_n = block_n or _block(n, BLOCK_N_CHOICES)
   splits = _splits(m // block_m * n // block_n, x2.shape[1] // BLOCK_K)
   parts = _partials(jnp.pad(x2, ((0, m - rows), (0, 0))), w, layer, impl == 'interpret', block_m, block_n,
                     splits, num_warps, num_stages)
-  y = parts.sum(0)[:rows].astype(x.dtype)
-  if b is not None:
-    y = y + lax.dynamic_index_in_dim(b, layer, 0, keepdims=False).astype(x.dtype)
-  return y.reshape(*x.shape[:-1], n)
+  return _plus_bias(parts.sum(0)[:rows].astype(x.dtype), b, layer).reshape(*x.shape[:-1], n)

@@ -26,10 +26,10 @@ def stack_layers(trees: Sequence[Any]) -> Any:
 
 
 def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, xs: Any,
-                call: Callable[[nn.Module, Any, Any], tuple[Any, Any]]) -> tuple[Any, Any]:
-  """carry through blocks[layers[0]], blocks[layers[1]], ... -> (carry, ys): call(block, carry,
-  x_j) -> (carry, y_j) for each, where x_j is the j-th slice of `xs` and ys the y_j stacked
-  (pytrees of arrays with a leading axis of len(layers)). `blocks`: bound submodules of one class
+                call: Callable[[nn.Module, jax.Array, Any, Any], tuple[Any, Any]]) -> tuple[Any, Any]:
+  """carry through blocks[layers[0]], blocks[layers[1]], ... -> (carry, ys): call(block, i, carry,
+  x_j) -> (carry, y_j) for each, where i = layers[j] (traced), x_j is the j-th slice of `xs` and ys
+  the y_j stacked (pytrees of arrays with a leading axis of len(layers)). `blocks`: bound submodules of one class
   and configuration (a deterministic call may differ in what it ignores, e.g. drop-path rates).
 
   Runs one `lax.scan`; `call` is traced once, on a copy of blocks[0] bound to each layer's
@@ -44,7 +44,7 @@ def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, 
     i, x = layer
     params = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stacked)
     with nn.intercept_methods(_dense_in_place(stacked, i)):
-      return call(body.bind({'params': params}), c, x)
+      return call(body.bind({'params': params}), i, c, x)
   return jax.lax.scan(step, carry, (jnp.asarray(layers, jnp.int32), xs))
 
 

@@ -202,9 +202,9 @@ class VAR(nn.Module):
              if all(n[j] in state for n in names)}
     shared = state if template is None else {k: v for k, v in state.items() if k not in mine}
 
-    def call(block, carry, layer):
+    def call(block, i, carry, layer):
       x, caches, shared = carry
-      mod, i, own = layer
+      mod, own = layer
       x, kv, out = block(x, mod, mask=mask, kv=caches.layer(i, length, x.shape[1]), hooks=template,
                          state=shared if template is None else {**shared, **own})
       new_length.append(kv.length)
@@ -213,7 +213,7 @@ class VAR(nn.Module):
         own = {t: out[t] for t in names[0] if t in out}
       return (x, caches.put(i, kv, length), shared), own
     (x, kvs, state), own = scan_blocks(self.blocks, run, (x, kvs, shared),
-                                       (jnp.stack([mods[i] for i in run]), jnp.asarray(run, jnp.int32), given), call)
+                                       (jnp.stack([mods[i] for i in run]), given), call)
     for j, t in enumerate(names[0]):
       if t in own:
         state = {**state, **{n[j]: own[t][r] for r, n in enumerate(names)}}
