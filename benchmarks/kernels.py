@@ -43,6 +43,7 @@ CPU smoke run of the script itself (tiny shapes, interpret mode): --smoke
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 import traceback
@@ -558,6 +559,15 @@ def bench_column_sums(args, ceil):
 
 
 # -------------------------------------------------------------------------- (g)
+def layer_dense_tilings(configs: str, k: int, n: int):
+  """(row name, layer_dense tiling) of each of --layer_dense_configs ('128x64s4w4p3': block_n x
+  block_k, K splits, warps, stages) that fits K and N."""
+  for cfg in filter(None, configs.split(',')):
+    bn, bk, splits, warps, stages = map(int, re.fullmatch(r'(\d+)x(\d+)s(\d+)w(\d+)p(\d+)', cfg).groups())
+    if n % bn == 0 and k % bk == 0 and (k // bk) % splits == 0:
+      yield f'pallas {cfg}', dict(block_n=bn, block_k=bk, splits=splits, num_warps=warps, num_stages=stages)
+
+
 def bench_layer_dense(args, ceil):
   """One Dense of each of 32 layers, its weights stacked on a layer axis (a scanned block's),
   summed over the layers in a loop: `pk.layer_dense` (weights read in place) against XLA's GEMM of
@@ -566,7 +576,7 @@ def bench_layer_dense(args, ceil):
   impl = 'interpret' if args.smoke else 'triton'
   depth, dtype = (2, jnp.float32) if args.smoke else (32, jnp.bfloat16)
   shapes = [(64, 128)] if args.smoke else [(2048, 6144), (2048, 2048), (2048, 8192), (8192, 2048)]
-  row_counts = (2, 16) if args.smoke else (2, 16, 64, 128)
+  row_counts = (2, 16) if args.smoke else tuple(int(r) for r in args.layer_dense_rows.split(','))
   rows = []
   for k, n in shapes:
     w = (jax.random.normal(jax.random.key(k + n), (depth, k, n)) / np.sqrt(k)).astype(dtype)
@@ -575,14 +585,17 @@ def bench_layer_dense(args, ceil):
     for m in row_counts:
       x = jax.random.normal(jax.random.key(m), (m, k), dtype)
       want = sum(x.astype(jnp.float32) @ ws[i].astype(jnp.float32) + bs[i] for i in range(depth))
-      def looped(layer_impl):
+      def looped(layer_impl, **tiling):
         return lambda x, w, b: jax.lax.fori_loop(
-            0, depth, lambda i, acc: acc + pk.layer_dense(x, w, b, i, impl=layer_impl), jnp.zeros((m, n), dtype))
+            0, depth, lambda i, acc: acc + pk.layer_dense(x, w, b, i, impl=layer_impl, **tiling),
+            jnp.zeros((m, n), dtype))
       variants = {
           'pallas layer_dense': (looped(impl), (x, w, b)),
           'XLA, slice copied': (looped('reference'), (x, w, b)),
           'XLA, separate weights': (lambda x, ws, bs: sum(x @ wi + bi for wi, bi in zip(ws, bs)), (x, ws, bs)),
       }
+      for name, tiling in layer_dense_tilings(args.layer_dense_configs, k, n):
+        variants[name] = (looped(impl, **tiling), (x, w, b))
       _, floor = floor_ms(0, depth * k * n * jnp.dtype(dtype).itemsize, ceil)
       for name, (fn, inputs) in variants.items():
         compile_s, ms = timeit(fn, [inputs], 2 if args.smoke else 50)
@@ -618,6 +631,9 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--only', default='a,b,c,d,e,f,g')
   p.add_argument('--smoke', action='store_true', help='tiny shapes, interpret mode (CPU)')
+  p.add_argument('--layer_dense_configs', default='',
+                 help="extra tilings for (g), e.g. '128x64s4w4p3' (block_n x block_k, K splits, warps, stages)")
+  p.add_argument('--layer_dense_rows', default='2,16,64,128', help='row counts of (g)')
   p.add_argument('--bwd_configs', default='',
                  help="extra backward variants for (b), e.g. '32x64w4,64x128w8'")
   args = compilation_cache.parse_args(p)

@@ -51,25 +51,25 @@ def reference(x, w, b, layer):
   return _plus_bias(x @ lax.dynamic_index_in_dim(w, layer, 0, keepdims=False).astype(x.dtype), b, layer)
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n: int, steps: int):
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n: int, block_k: int, steps: int):
   """One (row block, column block, K split): the split's float32 partial product."""
-  layer, col0, k0 = layer_ref[0], pl.program_id(1) * block_n, pl.program_id(2) * steps * BLOCK_K
+  layer, col0, k0 = layer_ref[0], pl.program_id(1) * block_n, pl.program_id(2) * steps * block_k
 
   def step(t, acc):
-    x = x_ref[:, pl.ds(k0 + t * BLOCK_K, BLOCK_K)]
-    w = plgpu.load(w_ref.at[layer, pl.ds(k0 + t * BLOCK_K, BLOCK_K), pl.ds(col0, block_n)])
+    x = x_ref[:, pl.ds(k0 + t * block_k, block_k)]
+    w = plgpu.load(w_ref.at[layer, pl.ds(k0 + t * block_k, block_k), pl.ds(col0, block_n)])
     return acc + lax.dot_general(x, w.astype(x.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
   o_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
 
 
-def _partials(x, w, layer, interpret: bool, block_m: int, block_n: int, splits: int, num_warps: int,
-              num_stages: int):
+def _partials(x, w, layer, interpret: bool, block_m: int, block_n: int, block_k: int, splits: int,
+              num_warps: int, num_stages: int):
   """[splits, M, N] float32: the products of K's `splits` equal parts."""
   m, k = x.shape
   n = w.shape[2]
   return pl.pallas_call(
-      functools.partial(_kernel, block_n=block_n, steps=k // BLOCK_K // splits),
+      functools.partial(_kernel, block_n=block_n, block_k=block_k, steps=k // block_k // splits),
       grid=(m // block_m, n // block_n, splits),
       in_specs=[pl.BlockSpec((1,), lambda i, j, s: (0,)), pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
                 pl.BlockSpec(w.shape, lambda i, j, s: (0, 0, 0))],
@@ -115,10 +115,13 @@ def runs_kernel(x: jax.Array, w: jax.Array, impl: str = 'auto') -> bool:
 
 
 def layer_dense(x: jax.Array, w: jax.Array, b: Optional[jax.Array], layer, *, impl: str = 'auto',
-                block_n: int = 0, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+                block_n: int = 0, block_k: int = BLOCK_K, splits: int = 0, num_warps: int = 4,
+                num_stages: int = 3) -> jax.Array:
   """x [..., K] @ w[layer] + b[layer] -> [..., N] in x's dtype; w [L, K, N], b [L, N] or None,
   `layer` an int scalar (traced or not). `impl`: as `dispatch.resolve` ('mosaic' is not built);
-  'auto' keeps more than AUTO_MAX_ROWS rows, and shapes `unsupported` names, on the reference."""
+  'auto' keeps more than AUTO_MAX_ROWS rows, and shapes `unsupported` names, on the reference.
+  The tiling (0: chosen as the module docstring says) is for benchmarks: `block_k` must divide
+  K, `splits` K // block_k."""
   if w.ndim != 3 or x.shape[-1] != w.shape[1] or (b is not None and b.shape != (w.shape[0], w.shape[2])):
     raise ValueError(f'layer_dense expects x [..., K], w [L, K, N], b [L, N]; got {x.shape}, {w.shape}, '
                      f'{None if b is None else b.shape}')
@@ -132,7 +135,11 @@ def layer_dense(x: jax.Array, w: jax.Array, b: Optional[jax.Array], layer, *, im
   block_m = 16 if rows <= 16 else 64
   m = -(-rows // block_m) * block_m
   block_n = block_n or _block(n, BLOCK_N_CHOICES)
-  splits = _splits(m // block_m * n // block_n, x2.shape[1] // BLOCK_K)
+  k_steps = x2.shape[1] // block_k
+  splits = splits or _splits(m // block_m * n // block_n, k_steps)
+  if n % block_n or x2.shape[1] % block_k or k_steps % splits:
+    raise ValueError(f'layer_dense tiling: block_n {block_n} must divide N={n}, block_k {block_k} K={x2.shape[1]}, '
+                     f'splits {splits} the {k_steps} K blocks')
   parts = _partials(jnp.pad(x2, ((0, m - rows), (0, 0))), w, layer, impl == 'interpret', block_m, block_n,
-                    splits, num_warps, num_stages)
+                    block_k, splits, num_warps, num_stages)
   return _plus_bias(parts.sum(0)[:rows].astype(x.dtype), b, layer).reshape(*x.shape[:-1], n)
