@@ -173,8 +173,14 @@ class _EncoderHooks(BlockHooks):
   """Encoder block `block`: at a refresh store every position's K/V (kept rows); at a cached
   iteration forward the buffer and the previous predictions, attending through the cache."""
 
-  def __init__(self, block: int, cached: bool):
+  def __init__(self, block, cached: bool):
     self.block, self.cached = block, cached
+
+  def scan_group(self):
+    return ('lazymar_encoder', self.cached)
+
+  def for_layer(self, layer):
+    return _EncoderHooks(layer, self.cached)
 
   def select(self, site, x, state):
     return (state['it']['enc_idx'] if self.cached else None), state
@@ -194,14 +200,21 @@ class _DecoderHooks(BlockHooks):
   a refresh, which stores block s's V and the later blocks' K/V; else a cached iteration
   keeping at most `bound` positions."""
 
-  def __init__(self, policy: 'LazyMAR', block: int, bound: Optional[int]):
+  def __init__(self, policy: 'LazyMAR', block, bound: Optional[int]):
     self.policy, self.block, self.bound = policy, block, bound
-    self.slot = block - policy.similarity_block - 1   # index into dec_k / dec_v
+    self.slot = block - policy.similarity_block - 1   # index into dec_k / dec_v (traced in a scan)
+    self.similarity = isinstance(block, int) and block == policy.similarity_block
+
+  def scan_group(self):
+    return None if self.similarity else ('lazymar_decoder', self.bound)
+
+  def for_layer(self, layer):
+    return _DecoderHooks(self.policy, layer, self.bound)
 
   def select(self, site, x, state):
-    if self.bound is None or (self.slot < 0 and site == 'attn'):
+    if self.bound is None or (self.similarity and site == 'attn'):
       return None, state
-    if self.slot >= 0:
+    if not self.similarity:
       return state['it']['keep'], state
     it = state['it']
     scores = similarity_scores(it['v_now'], state['v_sim'], it['zero'])
@@ -210,7 +223,7 @@ class _DecoderHooks(BlockHooks):
 
   def kv(self, k, v, idx, state):
     rows = state['v_sim'].shape[0]
-    if self.slot < 0:
+    if self.similarity:
       if self.bound is None:
         return k, v, {**state, 'v_sim': v[:rows]}
       return k, v, {**state, 'it': {**state['it'], 'v_now': v}}

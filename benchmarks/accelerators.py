@@ -14,8 +14,9 @@ attention on both sides; cfg 1.5, top-k 900, top-p 0.96):
   d30         -- VAR-d30 at 256 px; their var256 presets;
   smoke       -- a 2-block VAR at 256 px, for checking this script on a CPU (--attn xla).
 --scan on / both: the VAR samplers with each scale's runs of alike blocks (no hooks, or a
-policy's hooks of one scan group) as one `lax.scan` (`make_sampler(..., scan_blocks=True)`), as
-rows 'spec@scan'. --xla 'a=1;b=true': every VAR sampler compiled again under each set of XLA options,
+policy's hooks of one scan group) as one `lax.scan` (`make_sampler(..., scan_blocks=True)`), and
+the MAR samplers with their encoder's and decoder's (config.sample.scan_blocks), as rows
+'spec@scan'. --xla 'a=1;b=true': every VAR sampler compiled again under each set of XLA options,
 as rows 'spec xla1', 'spec xla2', ... (the first set, '' by default, is XLA's defaults).
 Every sampler is lowered in turn and compiled in a pool of --compile_workers threads (compile
 seconds are each program's own wall time, under that contention), then, after --wait_for
@@ -290,22 +291,26 @@ def family_main(args) -> None:
   E-CAR baseline (250 Euler steps, cfg 1.5, the VAE decoder included), random weights (official init),
   per model and batch the baseline and each preset: compiled in a pool, then timed alone as the VAR
   rows (medians of --iters calls after --warmup)."""
-  from sampling import family_from_config   # pylint: disable=import-outside-toplevel
+  from sampling import family_from_config, sampling_from_config   # pylint: disable=import-outside-toplevel
   batches = [int(b) for b in args.batches.split(',')]
   makers, futures, order = {}, [], []
   with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
     for label, config, specs in family_configs(args):
       overrides = dict(cfg=3.0, num_iter=64, num_steps=100) if config.family == 'mar' else dict(cfg=1.5, num_steps=250)
       family = family_from_config(config, overrides=overrides)
-      for batch, spec in itertools.product(batches, ('baseline',) + specs):
-        sample = family.make(policy_from_spec(spec, family.name))
+      makes = {'': family.make}
+      if config.family == 'mar':
+        makes['scan'] = sampling_from_config(config, {**overrides, 'scan_blocks': True}).make
+      for batch, name in itertools.product(batches, sampler_names(specs, args.scan if len(makes) > 1 else 'off')):
+        spec, _, scan = name.partition('@')
+        sample = makes[scan](policy_from_spec(spec, family.name))
         labels = np.arange(batch, dtype=np.int32) % family.num_classes
         def arguments(i, sample=sample, labels=labels, family=family):
           return sample.arguments(family.params, jax.random.key(i), labels, **family.opts)
-        makers[label, batch, spec] = arguments
-        futures.append(compile_in(pool, (label, batch, spec),
+        makers[label, batch, name] = arguments
+        futures.append(compile_in(pool, (label, batch, name),
                                   sample.lower(family.params, jax.random.key(0), labels, **family.opts)))
-        order.append((label, batch, spec))
+        order.append((label, batch, name))
     compiled = dict(f.result() for f in futures)
   wait_for(args.wait_for)
   print('\n| model | batch | policy | ms / batch | speed-up | peak MiB | compile s |\n' + '| --- ' * 7 + '|', flush=True)
@@ -334,7 +339,7 @@ def main():
   ap.add_argument('--policies', default='', help="specs; each model runs those that fit it (default: the "
                   "model's presets)")
   ap.add_argument('--scan', default='off', choices=('off', 'on', 'both'),
-                  help="VAR samplers with their blocks scanned ('spec@scan' rows), unrolled, or both")
+                  help="VAR and MAR samplers with their blocks scanned ('spec@scan' rows), unrolled, or both")
   ap.add_argument('--xla', default='', help="';'-separated sets of XLA options ('a=1,b=true'), each compiling "
                   "every VAR sampler apart (rows 'spec xla1', ...; '' is XLA's defaults)")
   ap.add_argument('--warmup', type=int, default=2)

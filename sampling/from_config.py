@@ -31,9 +31,10 @@ from var_models.var.sampler import make_sampler as make_var_sampler
 Array = jax.Array
 
 # The settings a command line may override per family: cfg (the guidance scale), top_k, top_p,
-# scan_blocks (VAR), num_iter, temperature, cfg_schedule (MAR), num_steps (MAR: diffusion steps;
+# scan_blocks (VAR, MAR), num_iter, temperature, cfg_schedule (MAR), num_steps (MAR: diffusion steps;
 # E-CAR: Euler steps in all).
-OVERRIDES = {'var': ('cfg', 'top_k', 'top_p', 'scan_blocks'), 'mar': ('cfg', 'num_iter', 'temperature', 'cfg_schedule', 'num_steps'),
+OVERRIDES = {'var': ('cfg', 'top_k', 'top_p', 'scan_blocks'),
+             'mar': ('cfg', 'num_iter', 'temperature', 'cfg_schedule', 'num_steps', 'scan_blocks'),
              'ecar': ('cfg', 'num_steps')}
 _NO_LABEL = np.zeros(1, np.int32)
 
@@ -98,7 +99,9 @@ def _mar(config, o: dict) -> Sampling:
   s = config.sample
   opts = dict(cfg=_pick(o, 'cfg', s.cfg), cfg_schedule=_pick(o, 'cfg_schedule', s.cfg_schedule),
               temperature=_pick(o, 'temperature', s.temperature))
-  settings = dict(num_iter=_pick(o, 'num_iter', s.num_iter), num_diffusion_steps=_pick(o, 'num_steps', s.num_diffusion_steps))
+  settings = dict(num_iter=_pick(o, 'num_iter', s.num_iter),
+                  num_diffusion_steps=_pick(o, 'num_steps', s.num_diffusion_steps),
+                  scan_blocks=_pick(o, 'scan_blocks', s.scan_blocks))
   guided = opts['cfg'] != 1.0
   check_mar_sample_args(mar_cfg, _NO_LABEL, guided=guided, **opts)
   make = lambda policy=None: make_mar_sampler(mar_cfg, vae_cfg, guided=guided, policy=policy, **settings)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from var_models.mar.diffloss import DiffLossConfig, SimpleMLPAdaLN, diffloss_loss, init_diffloss
 from var_models.nn import attention as attn_lib
 from var_models.nn import tokens as tok
+from var_models.nn.scan import scan_blocks, scan_runs
 from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
 
 Array = jax.Array
@@ -227,11 +228,27 @@ class MAR(nn.Module):
   def unpatchify(self, tokens: Array) -> Array:
     return unpatchify(self.cfg, tokens)
 
-  def _run(self, blocks, x: Array, mask: attn_lib.Mask, train: bool, hooks, state):
+  def _run(self, blocks, x: Array, mask: attn_lib.Mask, train: bool, hooks, state, scan: bool):
+    """The blocks in turn on x -> (x, state); with `scan` (sampling), each run of consecutive
+    blocks that compute alike (no hooks, or hooks of one `scan_group`) as one `lax.scan`
+    (`scan_blocks`) carrying the whole state, its first block's hooks `for_layer` standing for
+    each; the other blocks one by one."""
+    if scan and train:
+      raise ValueError('MAR runs its blocks as a scan only when sampling (train=False)')
     x = x.astype(self.cfg.dtype)
-    for i, block in enumerate(blocks):
-      x, _, state = block(x, mask=mask, hooks=None if hooks is None else hooks[i], state=state,
-                          deterministic=not train)
+    hook = lambda i: None if hooks is None else hooks[i]
+    group = lambda i: None if not scan else ('plain',) if hook(i) is None else hook(i).scan_group()
+    for run in scan_runs([group(i) for i in range(len(blocks))]):
+      if len(run) == 1:
+        x, _, state = blocks[run[0]](x, mask=mask, hooks=hook(run[0]), state=state, deterministic=not train)
+        continue
+      template = hook(run[0])
+
+      def call(block, i, carry, _):
+        h, s = carry
+        h, _, s = block(h, mask=mask, hooks=None if template is None else template.for_layer(i), state=s)
+        return (h, s), None
+      (x, state), _ = scan_blocks(blocks, run, (x, state), None, call)
     return x, state
 
   # ---- the pieces of the encoder and decoder (samplers call them with policy hooks) ----
@@ -250,10 +267,10 @@ class MAR(nn.Module):
     return self.z_proj_ln(x)
 
   def run_encoder(self, x: Array, mask: attn_lib.Mask = None, hooks=None, state: Any = None,
-                  train: bool = False):
+                  train: bool = False, scan: bool = False):
     """The encoder blocks and norm on x [B, l, Ce] -> (x, state); `hooks` (one `BlockHooks`
-    or None per block) come from a sampling policy and carry its `state`."""
-    x, state = self._run(self.encoder_blocks, x, mask, train, hooks, state)
+    or None per block) come from a sampling policy and carry its `state`; `scan` as `_run`."""
+    x, state = self._run(self.encoder_blocks, x, mask, train, hooks, state, scan)
     return self.encoder_norm(x), state
 
   def decoder_input(self, x: Array, mask: Optional[Array], keep_idx: Optional[Array] = None) -> Array:
@@ -269,9 +286,9 @@ class MAR(nn.Module):
       x = tok.scatter(filler, keep_idx, x)
     return x + self.decoder_pos_embed_learned
 
-  def run_decoder(self, x: Array, hooks=None, state: Any = None, train: bool = False):
-    """The decoder blocks on x [B, buffer + N, Cd] -> (x, state), hooks as `run_encoder`."""
-    return self._run(self.decoder_blocks, x, None, train, hooks, state)
+  def run_decoder(self, x: Array, hooks=None, state: Any = None, train: bool = False, scan: bool = False):
+    """The decoder blocks on x [B, buffer + N, Cd] -> (x, state), hooks and scan as `run_encoder`."""
+    return self._run(self.decoder_blocks, x, None, train, hooks, state, scan)
 
   def decoder_output(self, x: Array) -> Array:
     """Decoder blocks' output -> the diffusion condition z [B, N, Cd] (float32)."""

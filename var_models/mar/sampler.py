@@ -91,8 +91,8 @@ def _ranks(order: Array) -> Array:
 
 class _MARSampler:
   def __init__(self, mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, num_iter: int, guided: bool,
-               num_diffusion_steps: Optional[int], policy: MARPolicy, record: bool):
-    self.mar_cfg, self.guided, self.record = mar_cfg, guided, record
+               num_diffusion_steps: Optional[int], policy: MARPolicy, record: bool, scan_blocks: bool):
+    self.mar_cfg, self.guided, self.record, self.scan_blocks = mar_cfg, guided, record, scan_blocks
     self.model, self.vae = MAR(mar_cfg), AutoencoderKL(vae_cfg)
     self.head = diffloss_net(mar_cfg)
     self.diffusion = create_diffusion(num_diffusion_steps or mar_cfg.num_sampling_steps)
@@ -194,11 +194,11 @@ class _MARSampler:
     x = self.model.apply(mp, t2, class_emb[:rows], method=MAR.encoder_input)
     x, state = self.model.apply(mp, x, key_mask(self.mar_cfg, m2),
                                 policy.block_hooks(Site(plan, 'encoder'), self.mar_cfg.encoder_depth), state,
-                                method=MAR.run_encoder)
+                                scan=self.scan_blocks, method=MAR.run_encoder)
     x = self.model.apply(mp, x, m2, method=MAR.decoder_input)
     x, state = policy.decoder_input(plan, x, state)
     x, state = self.model.apply(mp, x, policy.block_hooks(Site(plan, 'decoder'), self.mar_cfg.decoder_depth),
-                                state, method=MAR.run_decoder)
+                                state, scan=self.scan_blocks, method=MAR.run_decoder)
     if self.guided:
       x, state = self._guide(plan, x, state)
     z = self.model.apply(mp, x, method=MAR.decoder_output)
@@ -259,9 +259,12 @@ class _MARSampler:
 
 def make_mar_sampler(mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, *, num_iter: int = 64,
                      guided: bool = True, num_diffusion_steps: Optional[int] = None,
-                     policy: Optional[MARPolicy] = None, record: bool = False):
+                     policy: Optional[MARPolicy] = None, record: bool = False, scan_blocks: bool = False):
   """A pure, jit-compiled MAR sampler `sample(params, key, labels, *, cfg, cfg_schedule,
   temperature, orders, noises, forced_tokens) -> (images, aux)`. `guided` (static) doubles the
   batch for CFG; `policy` chooses what each iteration computes (the baseline: everything);
-  `record` adds aux['iterations'] (see the module docstring)."""
-  return _MARSampler(mar_cfg, vae_cfg, num_iter, guided, num_diffusion_steps, policy or BASELINE, record)
+  `record` adds aux['iterations'] (see the module docstring); `scan_blocks`: the encoder's and
+  the decoder's runs of alike blocks (no hooks, or a policy's hooks of one `scan_group`) as one
+  `lax.scan` each (`MAR.run_encoder`): the program holds a block per run, not per block."""
+  return _MARSampler(mar_cfg, vae_cfg, num_iter, guided, num_diffusion_steps, policy or BASELINE, record,
+                     scan_blocks)

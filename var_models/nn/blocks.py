@@ -302,9 +302,14 @@ class BlockHooks:
 
   def scan_group(self) -> Optional[Hashable]:
     """A key (static, hashable), or None. Consecutive blocks whose hooks give one key compute alike
-    but for their `layer_state`: a sampler may run them as one scan, with the first block's hooks
-    standing for all. None: the block runs alone."""
+    but for their `layer_state` and their layer: a sampler may run them as one scan, the first
+    block's hooks `for_layer` standing for each. None: the block runs alone."""
     return None
+
+  def for_layer(self, layer: Array) -> 'BlockHooks':
+    """These hooks (of a scan group's first block) as block `layer`'s (an int32 scalar, traced
+    inside a scan); hooks that do not depend on their block return themselves."""
+    return self
 
   def layer_state(self) -> tuple[str, ...]:
     """The keys of `state` this block alone reads or writes (in one order across a scan group:

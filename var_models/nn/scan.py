@@ -9,7 +9,7 @@ their parameters cast them anyway, and XLA folds the stack into that cast.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -23,6 +23,18 @@ from var_models.nn.blocks import DenseGELU
 def stack_layers(trees: Sequence[Any]) -> Any:
   """Per-layer pytrees of one structure -> one pytree whose leaves are stacked on a leading layer axis."""
   return jax.tree.map(lambda *a: jnp.stack(a), *trees)
+
+
+def scan_runs(groups: Sequence[Optional[Hashable]]) -> list[list[int]]:
+  """The blocks 0..len(groups)-1 in order, grouped: maximal runs of consecutive blocks of one
+  group key (static, hashable); a block whose key is None runs alone."""
+  runs: list[list[int]] = []
+  for i, g in enumerate(groups):
+    if g is not None and runs and groups[runs[-1][-1]] == g:
+      runs[-1].append(i)
+    else:
+      runs.append([i])
+  return runs
 
 
 def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, xs: Any,

@@ -17,7 +17,7 @@ import numpy as np
 
 from var_models.nn import attention as attn_lib
 from var_models.nn.blocks import AdaLNBeforeHead, AdaLNSelfAttn, BlockHooks, scaled, trunc_normal
-from var_models.nn.scan import scan_blocks
+from var_models.nn.scan import scan_blocks, scan_runs
 from var_models.var.schedules import ScaleSchedule, VAR_256
 
 Array = jax.Array
@@ -205,7 +205,8 @@ class VAR(nn.Module):
     def call(block, i, carry, layer):
       x, caches, shared = carry
       mod, own = layer
-      x, kv, out = block(x, mod, mask=mask, kv=caches.layer(i, length, x.shape[1]), hooks=template,
+      hooks = None if template is None else template.for_layer(i)
+      x, kv, out = block(x, mod, mask=mask, kv=caches.layer(i, length, x.shape[1]), hooks=hooks,
                          state=shared if template is None else {**shared, **own})
       new_length.append(kv.length)
       if template is not None:
@@ -248,16 +249,9 @@ def _scan_runs(hooks: Optional[Sequence[Optional[BlockHooks]]], lengths: Sequenc
   or hooks of one `scan_group`) and whose caches hold the same length; a block whose hooks have
   no group runs alone."""
   def group(i):
-    h = None if hooks is None else hooks[i]
-    return ('plain',) if h is None else h.scan_group()
-  runs: list[list[int]] = []
-  for i, n in enumerate(lengths):
-    g, last = group(i), runs[-1] if runs else None
-    if g is not None and last and group(last[-1]) == g and lengths[last[-1]] == n:
-      last.append(i)
-    else:
-      runs.append([i])
-  return runs
+    g = ('plain',) if hooks is None or hooks[i] is None else hooks[i].scan_group()
+    return None if g is None else (g, lengths[i])
+  return scan_runs([group(i) for i in range(len(lengths))])
 
 
 def cross_entropy(logits: Array, targets: Array) -> Array:

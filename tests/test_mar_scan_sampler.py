@@ -1,0 +1,79 @@
+"""MAR's sampler with its encoder and decoder blocks scanned (`scan_blocks=True`): the unrolled
+sampler's tokens and LazyMAR's decisions, one block per run of alike blocks in the program."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from accel.lazymar import LazyMAR
+from configs import mar as mar_configs
+from sampling import sampling_from_config
+from var_models.mar import model as mar_lib
+from var_models.mar.policy import IterPlan, Site
+from var_models.mar.sampler import make_mar_sampler
+from var_models.nn.scan import scan_runs
+from test_mar_sampler import LABELS, MAR_CFG, VAE_CFG, _params
+
+# 3 encoder blocks; decoder blocks 0 (no hooks), 1 (LazyMAR's similarity block), 2-4 (one run).
+CFG = dataclasses.replace(MAR_CFG, encoder_depth=3, decoder_depth=5)
+NUM_ITER = 6
+TINY = dict(refresh_start=2, refresh_every=3, ratios=(1.0, 1.0, 1.0, 0.5, 0.2, 0.2), similarity_block=1,
+            extra_tokens=1, head_interval=3, head_skip=(1,))
+
+
+@pytest.fixture(scope='module')
+def params():
+  return _params(CFG)
+
+
+def _both(params, policy=None, record=False):
+  return [make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, policy=policy, record=record, scan_blocks=scan)(
+      params, jax.random.key(3), LABELS, cfg=3.0) for scan in (False, True)]
+
+
+def test_scanned_baseline_samples_the_unrolled_tokens(params):
+  (images_u, aux_u), (images_s, aux_s) = _both(params)
+  np.testing.assert_allclose(aux_u['tokens'], aux_s['tokens'], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(images_u, images_s, rtol=1e-5, atol=1e-5)
+
+
+def test_scanned_lazymar_makes_the_unrolled_decisions_and_tokens(params):
+  (_, aux_u), (_, aux_s) = _both(params, LazyMAR(**TINY), record=True)
+  for name in ('refresh', 'kept', 'encoded', 'pred'):
+    np.testing.assert_array_equal(aux_u['iterations'][name], aux_s['iterations'][name])
+  np.testing.assert_allclose(aux_u['tokens'], aux_s['tokens'], rtol=1e-5, atol=1e-5)
+
+
+def test_lazymar_blocks_group_into_runs_around_the_similarity_block():
+  policy = make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, policy=LazyMAR(**TINY)).policy
+  def runs(stack, depth, plan):
+    hooks = policy.block_hooks(Site(plan, stack), depth)
+    return scan_runs([('plain',) if hooks is None or h is None else h.scan_group() for h in (hooks or [None] * depth)])
+  cached = next(p for p in policy.plan(NUM_ITER) if p.tag not in (None, 'full'))
+  assert runs('decoder', 5, cached) == [[0], [1], [2, 3, 4]]
+  assert runs('encoder', 3, cached) == [[0, 1, 2]]
+  assert runs('decoder', 5, IterPlan()) == [[0, 1, 2, 3, 4]]
+
+
+def test_the_scanned_program_holds_one_block_per_run(params):
+  """The baseline's encoder and decoder each one run: one qkv GEMM of each width in the program."""
+  def qkv_dots(scan):
+    lowered = make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, scan_blocks=scan).lower(
+        params, jax.random.key(0), LABELS, cfg=3.0)
+    lines = [ln for ln in lowered.as_text().splitlines() if 'stablehlo.dot_general' in ln]
+    return [sum(ln.endswith(f'x{3 * w}xf32>') for ln in lines) for w in (CFG.encoder_embed_dim, CFG.decoder_embed_dim)]
+  assert qkv_dots(False) == [CFG.encoder_depth, CFG.decoder_depth]
+  assert qkv_dots(True) == [1, 1]
+
+
+def test_scanning_while_training_is_an_error(params):
+  x = np.zeros((1, CFG.buffer_size + CFG.seq_len, CFG.decoder_embed_dim), np.float32)
+  with pytest.raises(ValueError, match='scan only when sampling'):
+    mar_lib.MAR(CFG).apply({'params': params['mar']}, x, train=True, scan=True, method=mar_lib.MAR.run_decoder)
+
+
+def test_the_config_and_its_override_choose_the_scan():
+  config = mar_configs.get_config('tiny')
+  assert sampling_from_config(config).settings['scan_blocks'] is False
+  assert sampling_from_config(config, {'scan_blocks': True}).settings['scan_blocks'] is True
