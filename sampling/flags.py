@@ -47,10 +47,12 @@ def check_family(config) -> None:
   family = config.family
   if family not in _FAMILY_FLAGS:
     raise ValueError(f'config.family must be one of {sorted(_FAMILY_FLAGS)}, got {family!r}')
+  own = {f.name for f in _FAMILY_FLAGS[family]}
   for other, fl in _FAMILY_FLAGS.items():
     for f in fl if other != family else ():
-      if f.value is not None:
-        raise ValueError(f'--{f.name} applies to {FAMILY_NAMES[other]} configs, not to config.family={family!r}')
+      if f.value is not None and f.name not in own:
+        where = ' and '.join(FAMILY_NAMES[o] for o, g in _FAMILY_FLAGS.items() if f.name in {h.name for h in g})
+        raise ValueError(f'--{f.name} applies to {where} configs, not to config.family={family!r}')
   if CKPT.value:
     stored = checkpoint.load_meta(CKPT.value).get('family', family)
     if stored != family:

@@ -3,11 +3,15 @@ sampler's tokens and LazyMAR's decisions, one block per run of alike blocks in t
 import dataclasses
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
+from absl import flags
+from absl.testing import flagsaver
 
 from accel.lazymar import LazyMAR
 from configs import mar as mar_configs
+from sampling import flags as sampling_flags
 from sampling import sampling_from_config
 from var_models.mar import model as mar_lib
 from var_models.mar.policy import IterPlan, Site
@@ -77,3 +81,13 @@ def test_the_config_and_its_override_choose_the_scan():
   config = mar_configs.get_config('tiny')
   assert sampling_from_config(config).settings['scan_blocks'] is False
   assert sampling_from_config(config, {'scan_blocks': True}).settings['scan_blocks'] is True
+
+
+def test_scan_blocks_is_a_flag_of_var_and_mar_configs_both():
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  with flagsaver.flagsaver(scan_blocks=True):
+    for family in ('var', 'mar'):
+      sampling_flags.check_family(ml_collections.ConfigDict({'family': family}))
+    with pytest.raises(ValueError, match="--scan_blocks applies to VAR and MAR configs, not to config.family='ecar'"):
+      sampling_flags.check_family(ml_collections.ConfigDict({'family': 'ecar'}))
