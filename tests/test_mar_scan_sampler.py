@@ -3,6 +3,7 @@ sampler's tokens and LazyMAR's decisions, one block per run of alike blocks in t
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
@@ -47,6 +48,13 @@ def test_scanned_lazymar_makes_the_unrolled_decisions_and_tokens(params):
   for name in ('refresh', 'kept', 'encoded', 'pred'):
     np.testing.assert_array_equal(aux_u['iterations'][name], aux_s['iterations'][name])
   np.testing.assert_allclose(aux_u['tokens'], aux_s['tokens'], rtol=1e-5, atol=1e-5)
+
+
+def test_scanned_lazymar_traces_with_bfloat16_compute(params):
+  """The scan carries the policy state whole: its dtypes must hold across blocks in bf16 (the GPU setting)."""
+  cfg = dataclasses.replace(CFG, dtype=jnp.bfloat16)
+  sample = make_mar_sampler(cfg, VAE_CFG, num_iter=NUM_ITER, policy=LazyMAR(**TINY), scan_blocks=True)
+  sample.lower(params, jax.random.key(3), LABELS, cfg=3.0)
 
 
 def test_lazymar_blocks_group_into_runs_around_the_similarity_block():
