@@ -8,7 +8,8 @@ the layer's weights three times instead of once. The Pallas kernel (Triton lower
 w[layer] straight from the stacked array: one program per (row block, column block, part of K)
 walks its part of K a tile at a time into a float32 partial product; K is split where the column
 blocks alone are too few programs to keep every SM streaming. The parts are summed and rounded to
-x's dtype, then the bias is added (as flax's Dense adds it).
+x's dtype, then the bias is added (as flax's Dense adds it); with K in one part (splits=1) the
+kernel rounds and adds the bias itself: one launch, no float32 partials.
 
 'auto' runs the kernel on an NVIDIA GPU for at most AUTO_MAX_ROWS rows, where the GEMM reads its
 weights and little else; XLA's GEMM of the copied slice elsewhere (the reference), where the
@@ -51,8 +52,9 @@ def reference(x, w, b, layer):
   return _plus_bias(x @ lax.dynamic_index_in_dim(w, layer, 0, keepdims=False).astype(x.dtype), b, layer)
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n: int, block_k: int, steps: int):
-  """One (row block, column block, K split): the split's float32 partial product."""
+def _kernel(layer_ref, x_ref, w_ref, *refs, block_n: int, block_k: int, steps: int, whole: bool):
+  """One (row block, column block, part of K): its float32 partial product; `whole` (K in one
+  part): the output itself, rounded to its dtype and the bias added (refs = ([b_ref,] o_ref))."""
   layer, col0, k0 = layer_ref[0], pl.program_id(1) * block_n, pl.program_id(2) * steps * block_k
 
   def step(t, acc):
@@ -60,25 +62,40 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n: int, block_k: int, steps
     w = plgpu.load(w_ref.at[layer, pl.ds(k0 + t * block_k, block_k), pl.ds(col0, block_n)])
     return acc + lax.dot_general(x, w.astype(x.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
-  o_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
+  acc, o_ref = lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[0], block_n), jnp.float32)), refs[-1]
+  if not whole:
+    o_ref[...] = acc
+    return
+  y = acc.astype(o_ref.dtype)
+  if len(refs) == 2:
+    y = y + plgpu.load(refs[0].at[layer, pl.ds(col0, block_n)]).astype(y.dtype)[None, :]
+  o_ref[...] = y
 
 
-def _partials(x, w, layer, interpret: bool, block_m: int, block_n: int, block_k: int, splits: int,
-              num_warps: int, num_stages: int):
-  """[splits, M, N] float32: the products of K's `splits` equal parts."""
-  m, k = x.shape
-  n = w.shape[2]
+def _call(x, w, b, layer, interpret: bool, block_m: int, block_n: int, block_k: int, splits: int,
+          num_warps: int, num_stages: int):
+  """K in `splits` equal parts: [splits, M, N] float32, their products (b unused); one part:
+  x @ w[layer] + b[layer] [M, N] in x's dtype, in one launch."""
+  (m, k), n, whole = x.shape, w.shape[2], splits == 1
+  operands = [jnp.reshape(layer, (1,)).astype(jnp.int32), x, w] + ([b] if whole and b is not None else [])
+  in_specs = [pl.BlockSpec((1,), lambda i, j, s: (0,)), pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
+              pl.BlockSpec(w.shape, lambda i, j, s: (0, 0, 0))]
+  in_specs += [pl.BlockSpec(b.shape, lambda i, j, s: (0, 0))] if len(operands) == 4 else []
+  if whole:
+    out_spec, out_shape = pl.BlockSpec((block_m, block_n), lambda i, j, s: (i, j)), jax.ShapeDtypeStruct((m, n), x.dtype)
+  else:
+    out_spec = pl.BlockSpec((pl.squeezed, block_m, block_n), lambda i, j, s: (s, i, j))
+    out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
   return pl.pallas_call(
-      functools.partial(_kernel, block_n=block_n, block_k=block_k, steps=k // block_k // splits),
+      functools.partial(_kernel, block_n=block_n, block_k=block_k, steps=k // block_k // splits, whole=whole),
       grid=(m // block_m, n // block_n, splits),
-      in_specs=[pl.BlockSpec((1,), lambda i, j, s: (0,)), pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
-                pl.BlockSpec(w.shape, lambda i, j, s: (0, 0, 0))],
-      out_specs=pl.BlockSpec((pl.squeezed, block_m, block_n), lambda i, j, s: (s, i, j)),
-      out_shape=jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
+      in_specs=in_specs,
+      out_specs=out_spec,
+      out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name='layer_dense',
-  )(jnp.reshape(layer, (1,)).astype(jnp.int32), x, w)
+  )(*operands)
 
 
 def _splits(programs: int, k_steps: int) -> int:
@@ -140,6 +157,8 @@ def layer_dense(x: jax.Array, w: jax.Array, b: Optional[jax.Array], layer, *, im
   if n % block_n or x2.shape[1] % block_k or k_steps % splits:
     raise ValueError(f'layer_dense tiling: block_n {block_n} must divide N={n}, block_k {block_k} K={x2.shape[1]}, '
                      f'splits {splits} the {k_steps} K blocks')
-  parts = _partials(jnp.pad(x2, ((0, m - rows), (0, 0))), w, layer, impl == 'interpret', block_m, block_n,
-                    block_k, splits, num_warps, num_stages)
-  return _plus_bias(parts.sum(0)[:rows].astype(x.dtype), b, layer).reshape(*x.shape[:-1], n)
+  out = _call(jnp.pad(x2, ((0, m - rows), (0, 0))), w, b, layer, impl == 'interpret', block_m, block_n, block_k,
+              splits, num_warps, num_stages)
+  if splits > 1:
+    out = _plus_bias(out.sum(0).astype(x.dtype), b, layer)
+  return out[:rows].reshape(*x.shape[:-1], n)
