@@ -23,12 +23,15 @@ SMALL_CFG = mar_lib.tiny(img_size=16)  # 2 x 2 tokens: the step-by-step referenc
 
 
 def _params(cfg):
-  mp = mar_lib.init_params(cfg, jax.random.key(0))
-  # The official init zeroes the head's output layers: perturb everything so each term matters.
-  mp = jax.tree_util.tree_map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(p.size), p.shape), mp)
-  img = jnp.zeros((1, cfg.img_size, cfg.img_size, 3))
-  vp = AutoencoderKL(VAE_CFG).init(jax.random.key(1), img, jax.random.key(2))['params']
-  return {'mar': mp, 'vae': vp}
+  """MAR's and the VAE's parameters, made in one compiled program (eager, each leaf's draw compiles apart)."""
+  def make():
+    mp = mar_lib.init_params(cfg, jax.random.key(0))
+    # The official init zeroes the head's output layers: perturb everything so each term matters.
+    mp = jax.tree_util.tree_map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(p.size), p.shape), mp)
+    img = jnp.zeros((1, cfg.img_size, cfg.img_size, 3))
+    vp = AutoencoderKL(VAE_CFG).init(jax.random.key(1), img, jax.random.key(2))['params']
+    return {'mar': mp, 'vae': vp}
+  return jax.jit(make)()
 
 
 @pytest.fixture(scope='module')
