@@ -55,6 +55,7 @@ import numpy as np
 from sampling import compilation_cache
 import pallas_kernels as pk
 from pallas_kernels import reference
+from pallas_kernels.layer_dense import tiling_error
 from accel.fastvar import pts_scores
 from accel.sparvar import csla_layout
 
@@ -564,7 +565,7 @@ def layer_dense_tilings(configs: str, k: int, n: int):
   block_k, K splits, warps, stages) that fits K and N."""
   for cfg in filter(None, configs.split(',')):
     bn, bk, splits, warps, stages = map(int, re.fullmatch(r'(\d+)x(\d+)s(\d+)w(\d+)p(\d+)', cfg).groups())
-    if n % bn == 0 and k % bk == 0 and (k // bk) % splits == 0:
+    if not tiling_error(k, n, bn, bk, splits):
       yield f'pallas {cfg}', dict(block_n=bn, block_k=bk, splits=splits, num_warps=warps, num_stages=stages)
 
 

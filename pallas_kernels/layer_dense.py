@@ -120,6 +120,14 @@ def unsupported(x, w) -> str:
   return ''
 
 
+def tiling_error(k: int, n: int, block_n: int, block_k: int, splits: int) -> str:
+  """Why a tiling does not fit K and N ('' when it does): block_n must divide N, block_k K, and
+  splits the K // block_k blocks."""
+  if n % block_n or k % block_k or (k // block_k) % splits:
+    return f'block_n {block_n} must divide N={n}, block_k {block_k} K={k}, splits {splits} the {k // block_k} K blocks'
+  return ''
+
+
 def _resolve(x2, w, impl: str) -> str:
   if impl == 'auto' and (x2.shape[0] > AUTO_MAX_ROWS or unsupported(x2, w)):
     impl = 'reference'
@@ -154,9 +162,8 @@ def layer_dense(x: jax.Array, w: jax.Array, b: Optional[jax.Array], layer, *, im
   block_n = block_n or _block(n, BLOCK_N_CHOICES)
   k_steps = x2.shape[1] // block_k
   splits = splits or _splits(m // block_m * n // block_n, k_steps)
-  if n % block_n or x2.shape[1] % block_k or k_steps % splits:
-    raise ValueError(f'layer_dense tiling: block_n {block_n} must divide N={n}, block_k {block_k} K={x2.shape[1]}, '
-                     f'splits {splits} the {k_steps} K blocks')
+  if why := tiling_error(x2.shape[1], n, block_n, block_k, splits):
+    raise ValueError(f'layer_dense tiling: {why}')
   out = _call(jnp.pad(x2, ((0, m - rows), (0, 0))), w, b, layer, impl == 'interpret', block_m, block_n, block_k,
               splits, num_warps, num_stages)
   if splits > 1:

@@ -73,19 +73,23 @@ def _reference_sample(mc, params, key, labels, cfg, temperature):
   tokens = jnp.zeros((b, n, mc.token_embed_dim))
   s = mask_schedule(n, n)
   diffusion = create_diffusion(mc.num_sampling_steps)
+  # Each piece compiled (eagerly, every op of the head's 100 steps would dispatch alone).
+  forward = jax.jit(lambda t2, m2, keep: model.apply(
+      mp, model.apply(mp, t2, m2, class_emb, keep, method=MAR.encode), m2, keep, method=MAR.decode))
+  head = jax.jit(lambda z, k, g: diffloss_sample(diffloss_net(mc), params['mar']['diffloss'], z, k, temperature, g,
+                                                 guided=True, diffusion=diffusion))
   for i in range(n):
     mask = np.zeros((b, n), bool)
     np.put_along_axis(mask, order[:, :s.masked[i]], True, axis=1)
     m2 = jnp.asarray(np.concatenate([mask, mask]))
     t2 = jnp.concatenate([tokens, tokens])
     keep = keep_indices(mc, m2, n - int(s.masked[i]))
-    z = model.apply(mp, model.apply(mp, t2, m2, class_emb, keep, method=MAR.encode), m2, keep, method=MAR.decode)
+    z = forward(t2, m2, keep)
     pos = order[:, s.mask_len[i]:s.masked[i]] if i < n - 1 else order[:, :s.masked[i]]
     pos2 = np.concatenate([pos, pos])
     z_sel = jnp.take_along_axis(z, jnp.asarray(pos2)[..., None], axis=1).reshape(-1, z.shape[-1])
     guidance = 1 + (cfg - 1) * (n - s.mask_len[i]) / n
-    new = diffloss_sample(diffloss_net(mc), params['mar']['diffloss'], z_sel, jax.random.fold_in(key, i),
-                          temperature, guidance, guided=True, diffusion=diffusion)[:b]
+    new = head(z_sel, jax.random.fold_in(key, i), guidance)[:b]
     tokens = tokens.at[np.arange(b)[:, None], pos].set(new.reshape(b, -1, mc.token_embed_dim))
   return tokens
 

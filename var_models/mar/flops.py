@@ -50,7 +50,8 @@ def sampling_flops(cfg: MARConfig, vae_cfg: AutoencoderKLConfig, *, num_iter: in
   sched = mask_schedule(cfg.seq_len, num_iter)
   trans = polynomial(transformer, (1, cfg.seq_len // 2, cfg.seq_len))
   trans = float(sum(trans(cfg.seq_len - int(m)) for m in sched.masked))
-  heads = float(sum(polynomial(head, (1, 2))(int(n)) for n in sched.n_pred))
+  head_count = polynomial(head, (1, 2))
+  heads = float(sum(head_count(int(n)) for n in sched.n_pred))
   decode = decode_flops(cfg, vae_cfg)
   return {'per_image': trans + heads + decode, 'per_image_without_decode': trans + heads,
           'transformer': trans, 'head': heads, 'decode': decode}

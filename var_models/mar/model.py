@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from var_models.mar.diffloss import DiffLossConfig, SimpleMLPAdaLN, diffloss_loss, init_diffloss
 from var_models.nn import attention as attn_lib
 from var_models.nn import tokens as tok
-from var_models.nn.scan import scan_blocks, scan_runs
+from var_models.nn.scan import hooks_group, scan_blocks, scan_runs
 from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
 
 Array = jax.Array
@@ -237,8 +237,8 @@ class MAR(nn.Module):
       raise ValueError('MAR runs its blocks as a scan only when sampling (train=False)')
     x = x.astype(self.cfg.dtype)
     hook = lambda i: None if hooks is None else hooks[i]
-    group = lambda i: None if not scan else ('plain',) if hook(i) is None else hook(i).scan_group()
-    for run in scan_runs([group(i) for i in range(len(blocks))]):
+    groups = [hooks_group(hook(i)) if scan else None for i in range(len(blocks))]
+    for run in scan_runs(groups):
       if len(run) == 1:
         x, _, state = blocks[run[0]](x, mask=mask, hooks=hook(run[0]), state=state, deterministic=not train)
         continue

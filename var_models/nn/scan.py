@@ -37,6 +37,12 @@ def scan_runs(groups: Sequence[Optional[Hashable]]) -> list[list[int]]:
   return runs
 
 
+def hooks_group(hooks) -> Optional[Hashable]:
+  """A block's key for `scan_runs` from its hooks (a `BlockHooks` or None): blocks without hooks
+  compute alike (('plain',)); a hooked block, its hooks' `scan_group()` (None: it runs alone)."""
+  return ('plain',) if hooks is None else hooks.scan_group()
+
+
 def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, xs: Any,
                 call: Callable[[nn.Module, jax.Array, Any, Any], tuple[Any, Any]]) -> tuple[Any, Any]:
   """carry through blocks[layers[0]], blocks[layers[1]], ... -> (carry, ys): call(block, i, carry,

@@ -17,7 +17,7 @@ import numpy as np
 
 from var_models.nn import attention as attn_lib
 from var_models.nn.blocks import AdaLNBeforeHead, AdaLNSelfAttn, BlockHooks, scaled, trunc_normal
-from var_models.nn.scan import scan_blocks, scan_runs
+from var_models.nn.scan import hooks_group, scan_blocks, scan_runs
 from var_models.var.schedules import ScaleSchedule, VAR_256
 
 Array = jax.Array
@@ -249,7 +249,7 @@ def _scan_runs(hooks: Optional[Sequence[Optional[BlockHooks]]], lengths: Sequenc
   or hooks of one `scan_group`) and whose caches hold the same length; a block whose hooks have
   no group runs alone."""
   def group(i):
-    g = ('plain',) if hooks is None or hooks[i] is None else hooks[i].scan_group()
+    g = hooks_group(None if hooks is None else hooks[i])
     return None if g is None else (g, lengths[i])
   return scan_runs([group(i) for i in range(len(lengths))])
 

@@ -1,0 +1,53 @@
+"""How long a VAR sampler takes to its first image in a fresh process, phase by phase: Python's
+tracing and lowering, XLA's compile, the first call and a later one.
+
+  python3 benchmarks/first_image.py --model infinity_2b --sampler baseline@scan --compilation_cache=
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python3 benchmarks/first_image.py --sampler baseline@scan ...
+  python benchmarks/first_image.py --model smoke --sampler fastvar:var256@scan --attn xla     # on a CPU
+
+One sampler per process (`accelerators.sampler_names` spells it: a policy spec, '@scan' for its blocks
+as a scan), so nothing compiled earlier in the process (XLA's in-process autotuning results
+included) shortens its compile: the figures are what a researcher's first command waits. With the
+persistent compilation cache on (the default), a second run of the same command loads the program
+and XLA's autotuning results from it; --compilation_cache= measures a cold start.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+
+from accel.timing import compiled_in
+from accelerators import MODELS, build, sampler_job
+from sampling import compilation_cache
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument('--model', default='infinity_2b', choices=sorted(MODELS))
+  ap.add_argument('--sampler', default='baseline@scan', help="a policy spec or 'baseline', '@scan' for scanned blocks")
+  ap.add_argument('--batch', type=int, default=1)
+  ap.add_argument('--attn', default='cudnn')
+  args = compilation_cache.parse_args(ap)
+  print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
+  t0 = time.perf_counter()
+  spec = args.sampler.partition('@')[0]
+  var_cfg, vq_cfg, params, _ = build(args.model, args.attn, '' if spec == 'baseline' else spec)
+  jax.block_until_ready(params)
+  t1 = time.perf_counter()
+  lowered, make_args = sampler_job(var_cfg, vq_cfg, params, args.sampler, args.batch)
+  t2 = time.perf_counter()
+  compiled, compile_s = compiled_in(lowered)
+  t3 = time.perf_counter()
+  jax.block_until_ready(compiled(*make_args(0)))
+  t4 = time.perf_counter()
+  jax.block_until_ready(compiled(*make_args(1)))
+  t5 = time.perf_counter()
+  print(f'{args.model} B={args.batch} {args.sampler}: parameters {t1 - t0:.1f} s, trace and lower {t2 - t1:.1f} s, '
+        f'XLA compile {compile_s:.1f} s, first call {t4 - t3:.2f} s (to the first image from the sampler\'s '
+        f'construction: {t4 - t1:.1f} s), a later call {1e3 * (t5 - t4):.1f} ms', flush=True)
+
+
+if __name__ == '__main__':
+  main()
