@@ -2,12 +2,13 @@
 tracing and lowering, XLA's compile, the first call and a later one.
 
   python3 benchmarks/first_image.py --model infinity_2b --sampler baseline@scan --compilation_cache=
-  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python3 benchmarks/first_image.py --sampler baseline@scan ...
+  python3 benchmarks/first_image.py --model infinity_2b --sampler fastvar:infinity_2b --compilation_cache=   # unrolled
   python benchmarks/first_image.py --model smoke --sampler fastvar:var256@scan --attn xla     # on a CPU
 
 One sampler per process (`accelerators.sampler_names` spells it: a policy spec, '@scan' for its blocks
 as a scan), so nothing compiled earlier in the process (XLA's in-process autotuning results
-included) shortens its compile: the figures are what a researcher's first command waits. With the
+included) shortens its compile: the figures are what a researcher's first command waits. A scanned
+sampler compiles with its own XLA options (`var_models.var.sampler.SCAN_COMPILER_OPTIONS`). With the
 persistent compilation cache on (the default), a second run of the same command loads the program
 and XLA's autotuning results from it; --compilation_cache= measures a cold start.
 """

@@ -28,8 +28,8 @@ SMALL = ['--config.train.batch_size=8', '--config.train.log_every=1', '--config.
          '--config.train.sample_classes=0', '--config.train.mesh_fsdp=2', '--config.data.threads=1']
 # The tiny E-CAR at one AR and one denoiser block per stage: what is compared does not depend on
 # depth, and each process compiles about a third faster.
-ECAR = ['--config=configs/ecar.py:tiny', '--config.model.ar_depth=1', '--config.model.den_depth=1',
-        f'--config.train.steps={STEPS}', '--config.data.workers=1', *SMALL]
+ECAR_MODEL = ['--config=configs/ecar.py:tiny', '--config.model.ar_depth=1', '--config.model.den_depth=1']
+ECAR = [*ECAR_MODEL, f'--config.train.steps={STEPS}', '--config.data.workers=1', *SMALL]
 VAR = ['--config=configs/var.py:tiny', '--config.train.steps=3', *SMALL]
 
 
@@ -110,7 +110,7 @@ def test_the_exported_params_are_written_once_and_load_with_train_sample(preempt
   workdir = preempted['workdir']
   assert json.loads((workdir / 'meta.json').read_text())['step'] == STEPS
   out = workdir / 'grid.png'
-  _job(workdir, [*ECAR[:3], '--config.sample.num_steps=3', f'--ckpt={workdir}',
+  _job(workdir, [*ECAR_MODEL, '--config.sample.num_steps=3', f'--ckpt={workdir}',
                 '--labels=0,1', f'--out={out}'], n=1, per_process=[[]], run=('-m', 'train.sample')).succeed(timeout=300)
   assert out.stat().st_size > 0
 
