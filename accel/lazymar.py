@@ -32,9 +32,11 @@ refresh_start = ceil(5 num_iter / 64), refresh_every = max(1, round(9 num_iter /
 iterations: exactly the official schedule).
 
 Shapes are static: every count follows from the iteration schedule. A cached plan's tag is
-the kept count padded to the largest one among the iterations of its ratio (one compiled body
-per ratio); padding rows and the padded predicted positions carry the out-of-range index L
-(gathered as NaN rows, dropped when scattered), so they change nothing.
+the kept count padded to the largest one among the iterations of its ratio, and those sizes
+merged into at most `decoder_sizes` (`merge_sizes`: the fewest padded rows), each one compiled
+body of the iteration loop (MAR-H at 64 iterations has 7 sizes; 4 keep its compile under 30 s,
+benchmarks/RESULTS.md); padding rows and the padded predicted positions carry the out-of-range
+index L (gathered as NaN rows, dropped when scattered), so they change the work, not the outputs.
 """
 from __future__ import annotations
 
@@ -81,6 +83,23 @@ def keep_count(length: int, ratio: float, n_now: int, n_prev: int, extra: int) -
   return min(length, max(n_now + n_prev + extra, int(length * ratio)))
 
 
+def merge_sizes(counts: dict[int, int], most: Optional[int]) -> dict[int, int]:
+  """{size: padded size}: the distinct sizes (`counts`: size -> how many iterations have it) in at
+  most `most` groups of consecutive sizes, each padded to its group's largest, with the fewest padded
+  rows in all (sum of count * padding); None: every size its own."""
+  sizes = sorted(counts)
+  if most is None or len(sizes) <= most:
+    return {n: n for n in sizes}
+  waste = lambda i, j: sum(counts[n] * (sizes[j - 1] - n) for n in sizes[i:j])   # sizes[i:j] as one group
+  # best[g][j]: (padded rows, group starts) of sizes[:j] in g groups
+  best = [[(0, ())] + [(math.inf, ())] * len(sizes)]
+  for g in range(1, most + 1):
+    best.append([min(((best[g - 1][i][0] + waste(i, j), best[g - 1][i][1] + (i,)) for i in range(j)),
+                     default=(math.inf, ())) for j in range(len(sizes) + 1)])
+  starts = best[most][len(sizes)][1] + (len(sizes),)
+  return {n: sizes[b - 1] for a, b in zip(starts, starts[1:]) for n in sizes[a:b]}
+
+
 def similarity_scores(v_now: Array, v_prev: Array, zero: Array, eps: float = 1e-8) -> Array:
   """Mean over heads of cos(v_now, v_prev) [B, L] from v [B, L, H, D] (float32), 0 where zero [B, L]."""
   a, b = v_now.astype(jnp.float32), v_prev.astype(jnp.float32)
@@ -115,11 +134,14 @@ class _Bound:
   cfg: Any                     # the MARConfig
 
 
+@dataclasses.dataclass(frozen=True)
 class _HeadCache(HeadCache):
-  """The diffusion-head cache of one DiffLoss loop (see the module docstring)."""
-
-  def __init__(self, interval: int, warm: float, skip: tuple[int, ...], dtype):
-    self.interval, self.warm, self.skip, self.dtype = interval, warm, skip, dtype
+  """The diffusion-head cache of one DiffLoss loop (see the module docstring); equal settings make
+  equal caches, which the sampler compiles once."""
+  interval: int
+  warm: float
+  skip: tuple[int, ...]
+  dtype: Any
 
   def kinds(self, num_steps: int) -> tuple[str, ...]:
     def kind(i):
@@ -241,6 +263,7 @@ class LazyMAR(Presets, MARPolicy):
     encoder, decoder, condition, head -- which caches run;
     similarity_block  -- the decoder block whose V similarity selects the kept positions;
     extra_tokens      -- kept beyond this and the previous iteration's predictions;
+    decoder_sizes     -- at most this many kept counts compiled (None: one per ratio); outputs unchanged;
     head_interval, head_warm, head_skip -- the head cache's full steps, MLP warm-up, skipped blocks;
     scaled            -- map the 64-iteration constants onto the sampler's iteration count;
     source            -- where the setting comes from (presets say).
@@ -256,6 +279,7 @@ class LazyMAR(Presets, MARPolicy):
   head: bool = True
   similarity_block: int = 3
   extra_tokens: int = 15
+  decoder_sizes: Optional[int] = 4
   head_interval: int = 7
   head_warm: float = 0.9
   head_skip: tuple[int, ...] = (1, 2, 3, 4)
@@ -267,6 +291,8 @@ class LazyMAR(Presets, MARPolicy):
     for name in ('refresh_start', 'refresh_every', 'head_interval'):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
         raise setting_error(self, name, f'must be an int >= 1, got {getattr(self, name)!r}')
+    if self.decoder_sizes is not None and (not isinstance(self.decoder_sizes, int) or self.decoder_sizes < 1):
+      raise setting_error(self, 'decoder_sizes', f'must be None or an int >= 1, got {self.decoder_sizes!r}')
     for name in ('similarity_block', 'extra_tokens'):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
         raise setting_error(self, name, f'must be an int >= 0, got {getattr(self, name)!r}')
@@ -322,7 +348,9 @@ class LazyMAR(Presets, MARPolicy):
     for s in range(num_iter):
       if not refresh[s]:
         most[self.ratios[s]] = max(most.get(self.ratios[s], 0), keep[s])
-    bucket = tuple(length if refresh[s] else most[self.ratios[s]] for s in range(num_iter))
+    cached = [most[self.ratios[s]] for s in range(num_iter) if not refresh[s]]
+    padded = merge_sizes({n: cached.count(n) for n in set(cached)}, self.decoder_sizes)
+    bucket = tuple(length if refresh[s] else padded[most[self.ratios[s]]] for s in range(num_iter))
     return dataclasses.replace(self, bound=_Bound(
         length=length, buffer=cfg.buffer_size, max_pred=sched.max_pred, refresh=refresh,
         keep=keep, bucket=bucket, cfg=cfg))

@@ -2,13 +2,14 @@
 and condition-cache algebra against hand-made cases; the sampler's recorded decisions; bad settings fail
 before compiling."""
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from accel.lazymar import (OFFICIAL_RATIOS, LazyMAR, is_refresh, keep_count, kept_positions,
+from accel.lazymar import (OFFICIAL_RATIOS, LazyMAR, is_refresh, keep_count, kept_positions, merge_sizes,
                            similarity_scores)
 from var_models.mar import model as mar_lib
 from var_models.mar.diffloss import (HeadCache, SimpleMLPAdaLN, diffloss_sample, diffloss_sample_cached,
@@ -70,6 +71,31 @@ def test_all_caches_record_refreshes_encoder_sets_and_kept_counts(params, baseli
       assert it['kept'][step][rows[valid], now[valid] + CFG.buffer_size].all()
   tokens = np.asarray(aux['tokens'])
   assert np.isfinite(tokens).all() and not np.array_equal(tokens, baseline_tokens)
+
+
+def test_decoder_sizes_merged_into_one_change_the_plans_not_the_outputs(params):
+  samplers = [make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, policy=LazyMAR(**TINY, decoder_sizes=n), record=True)
+              for n in (None, 1)]
+  assert [len(set(s.plans)) for s in samplers] == [3, 2]   # full, and one or two cached sizes
+  each, one = (s(params, jax.random.key(3), LABELS, cfg=3.0)[1] for s in samplers)
+  np.testing.assert_array_equal(one['tokens'], each['tokens'])
+  for name in ('kept', 'encoded', 'refresh'):
+    np.testing.assert_array_equal(one['iterations'][name], each['iterations'][name])
+
+
+def test_merged_sizes_pad_the_fewest_rows_in_at_most_the_groups_asked():
+  counts = {28: 21, 38: 5, 48: 4, 128: 5, 160: 3, 192: 1, 320: 13}   # MAR-H's cached iterations at 64
+  assert merge_sizes(counts, 4) == {28: 28, 38: 48, 48: 48, 128: 160, 160: 160, 192: 320, 320: 320}
+  assert merge_sizes(counts, None) == merge_sizes(counts, 9) == {n: n for n in counts}
+  sizes = sorted(counts)
+  padded_rows = lambda merged: sum(c * (merged[n] - n) for n, c in counts.items())
+  for groups in range(1, len(sizes)):
+    merged = merge_sizes(counts, groups)
+    assert len(set(merged.values())) <= groups and all(merged[n] >= n for n in sizes)
+    best = min(padded_rows({n: sizes[min(c for c in cuts + (len(sizes),) if c > i) - 1]
+                            for i, n in enumerate(sizes)})
+               for cuts in itertools.combinations(range(1, len(sizes)), groups - 1))
+    assert padded_rows(merged) == best
 
 
 def test_every_cache_traces_with_bfloat16_compute(params):
@@ -190,6 +216,7 @@ def test_settings_that_do_not_fit_the_sampler_fail_when_it_is_made(settings, num
 @pytest.mark.parametrize('settings,message', [
     (dict(refresh_every=0), 'LazyMAR.refresh_every'), (dict(ratios=(1.2,)), 'LazyMAR.ratios'),
     (dict(head_warm=2.0), 'LazyMAR.head_warm'), (dict(head_skip=(1, 1)), 'LazyMAR.head_skip'),
+    (dict(decoder_sizes=0), 'LazyMAR.decoder_sizes'),
 ])
 def test_bad_settings_name_their_field(settings, message):
   with pytest.raises(ValueError, match=message):

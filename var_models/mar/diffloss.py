@@ -213,11 +213,13 @@ def diffloss_loss(net: SimpleMLPAdaLN, params, target: Array, z: Array, mask: Op
   return jnp.sum(loss * mask) / jnp.sum(mask)
 
 
-def diffloss_model_fn(net: SimpleMLPAdaLN, params, z: Array, guidance, guided: bool) -> SampleModelFn:
+def diffloss_model_fn(net: SimpleMLPAdaLN, params, z: Array, guidance, guided: bool,
+                      adaln: Optional[tuple[Array, Array]] = None) -> SampleModelFn:
   """model_fn(x, t_model, i) for `p_sample_loop`: the plain net, or with `guided` (z = [cond;
   uncond]) `forward_with_cfg` at the (possibly traced) guidance. The step index is unused here.
-  The adaLN weights are merged here, outside the loop that calls model_fn."""
-  adaln = merged_adaln(params)
+  adaln: `merged_adaln(params)`, merged by a caller outside its own loop; default: merged here,
+  outside the loop that calls model_fn."""
+  adaln = merged_adaln(params) if adaln is None else adaln
   if guided:
     return lambda x, t, i: net.apply({'params': params}, x, t, z, guidance, adaln,
                                      method=SimpleMLPAdaLN.forward_with_cfg)
@@ -248,16 +250,25 @@ class HeadCache:
     return eps_u + guidance * (eps_c - eps_u), state
 
 
+def head_adaln(net: SimpleMLPAdaLN, params, cache: Optional[HeadCache], num_steps: int) -> dict:
+  """{kind: `merged_adaln` of the blocks its steps run} for a sampling loop of num_steps through
+  `cache` ({None: every block} without one), for a sampler to merge once, outside its loops."""
+  if cache is None:
+    return {None: merged_adaln(params)}
+  run = lambda kind: [i for i in range(net.num_res_blocks) if i not in cache.hooks(kind).skipped]
+  return {kind: merged_adaln(params, run(kind), gates_only=not cache.hooks(kind).needs_mlp)
+          for kind in dict.fromkeys(cache.kinds(num_steps))}
+
+
 def diffloss_sample_cached(net: SimpleMLPAdaLN, params, z: Array, x_T: Array, noise_fn, temperature, guidance,
-                           cache: HeadCache, diffusion: GaussianDiffusion) -> Array:
+                           cache: HeadCache, diffusion: GaussianDiffusion, adaln: Optional[dict] = None) -> Array:
   """Guided sampling through a policy's `cache`: z = [cond; uncond] [2R, Cz], x_T [R, C]. Only
   the conditional rows' x is carried: `forward_with_cfg` denoises both halves from it and the
-  unconditional rows' samples are never used. noise_fn(i) -> [R, C]. Returns the tokens [R, C]."""
+  unconditional rows' samples are never used. noise_fn(i) -> [R, C]; adaln: `head_adaln` (default:
+  merged here). Returns the tokens [R, C]."""
   r, c = x_T.shape
   kinds = cache.kinds(diffusion.num_timesteps)
-  run = lambda kind: [i for i in range(net.num_res_blocks) if i not in cache.hooks(kind).skipped]
-  adaln = {kind: merged_adaln(params, run(kind), gates_only=not cache.hooks(kind).needs_mlp)
-           for kind in dict.fromkeys(kinds)}
+  adaln = adaln or head_adaln(net, params, cache, diffusion.num_timesteps)
 
   def model_fn(kind, x, t, i, state):
     both = cache.uncond(kind)
@@ -272,16 +283,18 @@ def diffloss_sample_cached(net: SimpleMLPAdaLN, params, z: Array, x_T: Array, no
 
 
 def diffloss_sample(net: SimpleMLPAdaLN, params, z: Array, key: Array, temperature, guidance, *,
-                    guided: bool, diffusion: Optional[GaussianDiffusion] = None) -> Array:
+                    guided: bool, diffusion: Optional[GaussianDiffusion] = None,
+                    adaln: Optional[tuple[Array, Array]] = None) -> Array:
   """z [N, Cz] -> token latents [N, C] by ancestral sampling (default: 100 respaced steps).
   guided (static) means z = [cond; uncond] halves sharing one initial noise and guidance
   applies; all N rows come back (the uncond half is the caller's to drop). temperature scales
-  only the per-step noise, as the official does."""
+  only the per-step noise, as the official does. adaln: `merged_adaln(params)` (default: merged
+  here)."""
   diffusion = diffusion or create_diffusion('100')
   k_init, k_loop = jax.random.split(key)
   n = z.shape[0] // 2 if guided else z.shape[0]
   x_T = jax.random.normal(k_init, (n, net.in_channels), jnp.float32)
   if guided:
     x_T = jnp.concatenate([x_T, x_T], axis=0)
-  model_fn = diffloss_model_fn(net, params, z, guidance, guided)
+  model_fn = diffloss_model_fn(net, params, z, guidance, guided, adaln)
   return diffusion.p_sample_loop(model_fn, x_T, k_loop, temperature)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from var_models.mar.diffloss import DiffLossConfig, SimpleMLPAdaLN, diffloss_loss, init_diffloss
 from var_models.nn import attention as attn_lib
 from var_models.nn import tokens as tok
-from var_models.nn.scan import hooks_group, scan_blocks, scan_runs
+from var_models.nn.scan import hooks_group, scan_blocks, scan_runs, stack_layers
 from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
 
 Array = jax.Array
@@ -228,11 +228,17 @@ class MAR(nn.Module):
   def unpatchify(self, tokens: Array) -> Array:
     return unpatchify(self.cfg, tokens)
 
-  def _run(self, blocks, x: Array, mask: attn_lib.Mask, train: bool, hooks, state, scan: bool):
+  def stacked_blocks(self) -> dict:
+    """{'encoder', 'decoder'}: each stack's block parameters on a leading layer axis, for a sampler
+    to stack once, outside its loop, and hand to `run_encoder`/`run_decoder` (`stacked`)."""
+    return {name: stack_layers([b.variables['params'] for b in blocks])
+            for name, blocks in (('encoder', self.encoder_blocks), ('decoder', self.decoder_blocks))}
+
+  def _run(self, blocks, x: Array, mask: attn_lib.Mask, train: bool, hooks, state, scan: bool, stacked):
     """The blocks in turn on x -> (x, state); with `scan` (sampling), each run of consecutive
     blocks that compute alike (no hooks, or hooks of one `scan_group`) as one `lax.scan`
-    (`scan_blocks`) carrying the whole state, its first block's hooks `for_layer` standing for
-    each; the other blocks one by one."""
+    (`scan_blocks`, over `stacked` when given) carrying the whole state, its first block's hooks
+    `for_layer` standing for each; the other blocks one by one."""
     if scan and train:
       raise ValueError('MAR runs its blocks as a scan only when sampling (train=False)')
     x = x.astype(self.cfg.dtype)
@@ -248,7 +254,7 @@ class MAR(nn.Module):
         h, s = carry
         h, _, s = block(h, mask=mask, hooks=None if template is None else template.for_layer(i), state=s)
         return (h, s), None
-      (x, state), _ = scan_blocks(blocks, run, (x, state), None, call)
+      (x, state), _ = scan_blocks(blocks, run, (x, state), None, call, stacked)
     return x, state
 
   # ---- the pieces of the encoder and decoder (samplers call them with policy hooks) ----
@@ -267,10 +273,11 @@ class MAR(nn.Module):
     return self.z_proj_ln(x)
 
   def run_encoder(self, x: Array, mask: attn_lib.Mask = None, hooks=None, state: Any = None,
-                  train: bool = False, scan: bool = False):
+                  train: bool = False, scan: bool = False, stacked: Any = None):
     """The encoder blocks and norm on x [B, l, Ce] -> (x, state); `hooks` (one `BlockHooks`
-    or None per block) come from a sampling policy and carry its `state`; `scan` as `_run`."""
-    x, state = self._run(self.encoder_blocks, x, mask, train, hooks, state, scan)
+    or None per block) come from a sampling policy and carry its `state`; `scan` as `_run`,
+    over `stacked` (`stacked_blocks()['encoder']`) when given."""
+    x, state = self._run(self.encoder_blocks, x, mask, train, hooks, state, scan, stacked)
     return self.encoder_norm(x), state
 
   def decoder_input(self, x: Array, mask: Optional[Array], keep_idx: Optional[Array] = None) -> Array:
@@ -286,9 +293,10 @@ class MAR(nn.Module):
       x = tok.scatter(filler, keep_idx, x)
     return x + self.decoder_pos_embed_learned
 
-  def run_decoder(self, x: Array, hooks=None, state: Any = None, train: bool = False, scan: bool = False):
-    """The decoder blocks on x [B, buffer + N, Cd] -> (x, state), hooks and scan as `run_encoder`."""
-    return self._run(self.decoder_blocks, x, None, train, hooks, state, scan)
+  def run_decoder(self, x: Array, hooks=None, state: Any = None, train: bool = False, scan: bool = False,
+                  stacked: Any = None):
+    """The decoder blocks on x [B, buffer + N, Cd] -> (x, state), the rest as `run_encoder`."""
+    return self._run(self.decoder_blocks, x, None, train, hooks, state, scan, stacked)
 
   def decoder_output(self, x: Array) -> Array:
     """Decoder blocks' output -> the diffusion condition z [B, N, Cd] (float32)."""

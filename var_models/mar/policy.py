@@ -4,9 +4,10 @@
 policy once, when it is built, to `Binding(model=MARConfig, schedule=MARSchedule
 (mar/schedule.py: the mask schedule and the head's diffusion step count), guided=the CFG flag)`
 (settings that do not fit them are an error before anything compiles), runs its iterations as
-one `lax.scan` whose body switches between the distinct static *plans*, and carries the policy's
-state (its caches, a pytree; `init_state(batch)`, batch = B samples) through the scan. At every
-iteration it asks the core hooks:
+one `lax.scan` whose body switches between the distinct static *plans* for the model part and
+between the distinct head caches for the diffusion head, and carries the policy's state (its
+caches, a pytree; `init_state(batch)`, batch = B samples) through the scan. At every iteration it
+asks the core hooks:
   - `block_hooks(Site(plan, stack), depth)`: per block of the encoder or decoder stack, which
     tokens each sub-layer forwards, which keys and values they attend to (`BlockHooks.kv`:
     the cached K/V of the others) and how the others are restored (cached features);
@@ -23,9 +24,11 @@ and MAR's extensions:
   - `decoder_input`: the decoder's input to run (e.g. cached rows where the encoder output
     did not change);
   - `head_cache`: a `diffloss.HeadCache` for the iteration's DiffLoss sampling loop (per-step
-    kinds, res-block hooks, guidance from cached deltas), or None;
-  - `end`: to close the iteration once its tokens are sampled (keep what the next one needs,
-    drop the iteration's scratch values: the state has the same structure at every iteration);
+    kinds, res-block hooks, guidance from cached deltas), or None; asked once per plan when the
+    sampler is made, and equal caches (hashable, compared by value) share one compiled loop;
+  - `end`: to close the iteration's model part (keep what the next one needs, drop the
+    iteration's scratch values: the state has the same structure at every iteration); the head
+    then samples its tokens;
   - `record`: the iteration's caching decisions, stacked into the sampler's aux['iterations']
     when it is made with record=True.
 LazyMAR (`accel`) subclasses `MARPolicy`. The base class is the baseline: every token, both
@@ -85,7 +88,7 @@ class MARPolicy(Policy):
     return None
 
   def end(self, plan: IterPlan, state: Any) -> Any:
-    """The state the next iteration starts from, once this one's tokens are sampled."""
+    """The state the next iteration starts from, once this one's model part has run."""
     return state
 
   def record(self, plan: IterPlan, state: Any) -> dict:

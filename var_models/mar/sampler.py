@@ -33,7 +33,10 @@ the guidance flag, chooses per iteration which tokens each encoder and decoder
 block forwards, what they attend to and restore from its caches, and whether the
 unconditional half runs (its `guide` then makes it). The iterations run as one
 scan; with several distinct static plans, its body switches to the iteration's
-(each plan compiled once, however often the schedule alternates between them).
+model part (each plan compiled once, however often the schedule alternates between
+them), then to its head cache's sampling loop (each distinct cache compiled once).
+The weights are cast to the compute dtype, stacked for the scanned blocks and merged
+for the head's adaLN once per call, outside the loop.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from var_models.mar.diffloss import diffloss_model_fn, diffloss_sample, diffloss_sample_cached
+from var_models.mar.diffloss import diffloss_model_fn, diffloss_sample, diffloss_sample_cached, head_adaln
 from var_models.mar.gaussian_diffusion import create_diffusion
 from var_models.mar.model import MAR, MARConfig, diffloss_net, key_mask
 from var_models.mar.policy import BASELINE, IterInfo, IterPlan, MARPolicy, Site, check_plans
@@ -56,6 +59,9 @@ from var_models.tokenizers.autoencoder_kl import AutoencoderKL, AutoencoderKLCon
 
 Array = jax.Array
 CFG_SCHEDULES = ('linear', 'constant')
+# The parameters of MAR's compute-dtype Dense layers (cast once per call); its other Dense layers
+# (z_proj, decoder_embed) compute in float32.
+_CAST = ('encoder_blocks_', 'decoder_blocks_', 'diffloss')
 
 
 def check_mar_sample_args(mar_cfg: MARConfig, labels, cfg: float, guided: bool, cfg_schedule: str,
@@ -89,6 +95,13 @@ def _ranks(order: Array) -> Array:
   return jnp.zeros_like(order).at[jnp.arange(b)[:, None], order].set(jnp.arange(n, dtype=order.dtype))
 
 
+def _switch(xs, name: str, choices: list, make):
+  """make(choice)() for the iteration's choice: xs[name] indexes `choices` (absent: one choice)."""
+  if name not in xs:
+    return make(choices[0])()
+  return jax.lax.switch(xs[name], [make(c) for c in choices])
+
+
 class _MARSampler:
   def __init__(self, mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, num_iter: int, guided: bool,
                num_diffusion_steps: Optional[int], policy: MARPolicy, record: bool, scan_blocks: bool):
@@ -100,6 +113,7 @@ class _MARSampler:
     self.policy = policy = policy.bind(Binding(mar_cfg, self.schedule, guided))
     self.plans = policy.plan(num_iter)
     check_plans(self.plans, num_iter)
+    self.head_caches = tuple(policy.head_cache(p) for p in self.plans)
     self.vae_scale = vae_cfg.scaling_factor
     self._jitted = jax.jit(self._sample, static_argnames=('cfg_schedule',))
 
@@ -142,9 +156,12 @@ class _MARSampler:
 
   def _sample(self, params, key, labels, cfg, temperature, draws=None, *, cfg_schedule):
     draws = draws or dict(orders=None, noises=None, forced=None)
-    head = dense_params_in(params['mar']['diffloss'], self.mar_cfg.dtype)
-    params = {**params, 'mar': {**params['mar'], 'diffloss': head}}
-    mc, mp = self.mar_cfg, {'params': params['mar']}
+    mc = self.mar_cfg
+    # Cast, stacked and merged once, here: XLA moves none of it out of the iteration loop.
+    params = {**params, 'mar': {k: dense_params_in(v, mc.dtype) if k.startswith(_CAST) else v
+                                for k, v in params['mar'].items()}}
+    mp = {'params': params['mar']}
+    stacked = self.model.apply(mp, method=MAR.stacked_blocks) if self.scan_blocks else {}
     b, n, d = labels.shape[0], mc.seq_len, mc.token_embed_dim
     key, k_order = jax.random.split(key)
     order = draws['orders']
@@ -158,19 +175,28 @@ class _MARSampler:
     per_step = dict(i=jnp.arange(len(s.masked)), masked=jnp.asarray(s.masked), mask_len=jnp.asarray(s.mask_len),
                     n_pred=jnp.asarray(s.n_pred), noises=draws['noises'], forced=draws['forced'])
 
-    def step(plan, carry, xs):
+    def body(carry, xs):
+      tokens, state = carry
       guidance = cfg if cfg_schedule == 'constant' else 1 + (cfg - 1) * (n - xs['mask_len']) / n
-      return self._iteration(params, plan, jax.random.fold_in(key, xs['i']), carry, rank, order, class_emb, xs,
-                             guidance, temperature)
+      idx = self._pred_positions(order, xs['masked'], xs['n_pred'])
+      z, state, record = _switch(xs, 'plan', trunks, lambda plan: functools.partial(
+          self._decode, params, stacked, plan, tokens, state, idx, rank, class_emb, xs))
+      new = _switch(xs, 'head', heads, lambda cache: functools.partial(
+          self._head_sample, params, cache, adaln[cache], jax.random.fold_in(key, xs['i']), xs['noises'], z,
+          guidance, temperature)).reshape(idx.shape + (d,))
+      used = new if xs['forced'] is None else jnp.take_along_axis(
+          xs['forced'], jnp.minimum(idx, n - 1)[..., None], axis=1)
+      # Padding rows carry the out-of-range position N and are dropped.
+      tokens = tokens.at[jnp.arange(b)[:, None], idx].set(used, mode='drop')
+      return (tokens, state), (dict(pred=idx, sampled=new, **record) if self.record else None)
 
+    # The distinct plans' model parts, and the distinct head caches, each traced and compiled once.
+    trunks, heads = list(dict.fromkeys(self.plans)), list(dict.fromkeys(self.head_caches))
+    adaln = {c: head_adaln(self.head, params['mar']['diffloss'], c, self.diffusion.num_timesteps) for c in heads}
+    for name, distinct, per_iter in (('plan', trunks, self.plans), ('head', heads, self.head_caches)):
+      if len(distinct) > 1:
+        per_step[name] = jnp.asarray([distinct.index(p) for p in per_iter], jnp.int32)
     carry = (jnp.zeros((b, n, d), jnp.float32), self.policy.init_state(b))
-    plans = list(dict.fromkeys(self.plans))   # the distinct plans, each traced and compiled once
-    if len(plans) == 1:
-      body = functools.partial(step, plans[0])
-    else:
-      per_step['plan'] = jnp.asarray([plans.index(p) for p in self.plans], jnp.int32)
-      branches = [functools.partial(step, p) for p in plans]
-      body = lambda c, xs: jax.lax.switch(xs['plan'], branches, c, xs)
     (tokens, _), records = jax.lax.scan(body, carry, per_step)
     latents = self.model.apply(mp, tokens, method=MAR.unpatchify) / self.vae_scale
     images = self.vae.apply({'params': params['vae']}, latents, method=AutoencoderKL.decode)
@@ -179,39 +205,31 @@ class _MARSampler:
       aux['iterations'] = records
     return jnp.clip((images + 1) * 0.5, 0, 1), aux
 
-  def _iteration(self, params, plan: IterPlan, key, carry, rank, order, class_emb, xs, guidance, temperature):
-    """One MAR iteration: encode the known tokens, decode all, sample the next ones.
-    carry = (tokens [B, N, D], policy state); xs: the iteration's counts and draws (see `_sample`).
-    -> (carry, the iteration's record or None)."""
-    mp, policy = {'params': params['mar']}, self.policy
-    (tokens, state), (i, masked, n_pred) = carry, (xs['i'], xs['masked'], xs['n_pred'])
+  def _decode(self, params, stacked, plan: IterPlan, tokens, state, idx, rank, class_emb, xs):
+    """An iteration's model part: encode the known tokens, decode all, the head's conditions at the
+    positions idx [B, P] predicted now. tokens [B, N, D]; xs: the iteration's counts (see `_sample`);
+    stacked: `MAR.stacked_blocks` ({} unless the blocks run as a scan).
+    -> (z [R, Cd] (R = 2BP with guidance: [cond; uncond]), the policy's state, its record)."""
+    mp, policy, mc = {'params': params['mar']}, self.policy, self.mar_cfg
     b, n = tokens.shape[:2]
-    mask = rank < masked
-    idx = self._pred_positions(order, masked, n_pred)
-    state = policy.begin(plan, IterInfo(i, mask, idx), state)
+    mask = rank < xs['masked']
+    state = policy.begin(plan, IterInfo(xs['i'], mask, idx), state)
     rows = 2 * b if self.guided and plan.uncond else b
     t2, m2 = jnp.tile(tokens, (rows // b, 1, 1)), jnp.tile(mask, (rows // b, 1))
     x = self.model.apply(mp, t2, class_emb[:rows], method=MAR.encoder_input)
-    x, state = self.model.apply(mp, x, key_mask(self.mar_cfg, m2),
-                                policy.block_hooks(Site(plan, 'encoder'), self.mar_cfg.encoder_depth), state,
-                                scan=self.scan_blocks, method=MAR.run_encoder)
+    x, state = self.model.apply(mp, x, key_mask(mc, m2), policy.block_hooks(Site(plan, 'encoder'), mc.encoder_depth),
+                                state, scan=self.scan_blocks, stacked=stacked.get('encoder'), method=MAR.run_encoder)
     x = self.model.apply(mp, x, m2, method=MAR.decoder_input)
     x, state = policy.decoder_input(plan, x, state)
-    x, state = self.model.apply(mp, x, policy.block_hooks(Site(plan, 'decoder'), self.mar_cfg.decoder_depth),
-                                state, scan=self.scan_blocks, method=MAR.run_decoder)
+    x, state = self.model.apply(mp, x, policy.block_hooks(Site(plan, 'decoder'), mc.decoder_depth), state,
+                                scan=self.scan_blocks, stacked=stacked.get('decoder'), method=MAR.run_decoder)
     if self.guided:
       x, state = self._guide(plan, x, state)
     z = self.model.apply(mp, x, method=MAR.decoder_output)
     gather = jnp.minimum(idx, n - 1)
-    z_sel = jnp.take_along_axis(z, (jnp.concatenate([gather, gather]) if self.guided else gather)[..., None], axis=1)
-    new = self._head_sample(params, plan, key, xs['noises'], z_sel.reshape(-1, z.shape[-1]), guidance, temperature)
-    new = new.reshape(idx.shape + (tokens.shape[-1],))
-    used = new if xs['forced'] is None else jnp.take_along_axis(xs['forced'], gather[..., None], axis=1)
-    # Padding rows carry the out-of-range position N and are dropped.
-    tokens = tokens.at[jnp.arange(b)[:, None], idx].set(used, mode='drop')
+    z = jnp.take_along_axis(z, (jnp.concatenate([gather, gather]) if self.guided else gather)[..., None], axis=1)
     state = policy.end(plan, state)
-    record = dict(pred=idx, sampled=new, **policy.record(plan, state)) if self.record else None
-    return (tokens, state), record
+    return z.reshape(-1, z.shape[-1]), state, policy.record(plan, state) if self.record else {}
 
   def _guide(self, plan: IterPlan, x: Array, state):
     """Both CFG halves [2B, buffer + N, Cd] of the decoder blocks' output x ([2B, ...] when the plan
@@ -232,18 +250,19 @@ class _MARSampler:
         jnp.concatenate([order, jnp.zeros_like(order[:, :p])], axis=1), masked - n_pred, p, axis=1)
     return jnp.sort(jnp.where(jnp.arange(p) < n_pred, window, n), axis=1)
 
-  def _head_sample(self, params, plan, key, noises, z, guidance, temperature):
-    """Diffusion-head sampling of rows z [R, Cd] ([cond; uncond] halves with guidance) -> the
-    conditional rows' tokens [R or R/2, D]; noises: the iteration's draws (see `check_noises`) or
-    None (drawn from key)."""
-    net, head, cache = self.head, params['mar']['diffloss'], self.policy.head_cache(plan)
+  def _head_sample(self, params, cache, adaln, key, noises, z, guidance, temperature):
+    """Diffusion-head sampling of rows z [R, Cd] ([cond; uncond] halves with guidance) through the
+    policy's `cache` (or None) -> the conditional rows' tokens [R or R/2, D]; adaln: its
+    `head_adaln`; noises: the iteration's draws (see `check_noises`) or None (drawn from key)."""
+    net, head = self.head, params['mar']['diffloss']
     if cache is None and noises is None:
-      out = diffloss_sample(net, head, z, key, temperature, guidance, guided=self.guided, diffusion=self.diffusion)
+      out = diffloss_sample(net, head, z, key, temperature, guidance, guided=self.guided, diffusion=self.diffusion,
+                            adaln=adaln[None])
     elif cache is None:
       x_t = noises['init'].reshape(-1, net.in_channels)
       x_t = jnp.concatenate([x_t, x_t]) if self.guided else x_t
       steps = noises['steps'].reshape(self.diffusion.num_timesteps, -1, net.in_channels)
-      model_fn = diffloss_model_fn(net, head, z, guidance, self.guided)
+      model_fn = diffloss_model_fn(net, head, z, guidance, self.guided, adaln[None])
       out = self.diffusion.p_sample_loop_with_noises(model_fn, x_t, steps[:, :x_t.shape[0]], temperature)
     else:
       rows, c = z.shape[0] // 2, net.in_channels
@@ -253,7 +272,7 @@ class _MARSampler:
         noise_fn = lambda i: jax.random.normal(jax.random.fold_in(k_loop, i), (2 * rows, c), jnp.float32)[:rows]
       else:
         x_t, noise_fn = noises['init'].reshape(rows, c), lambda i: noises['steps'][i, 0].reshape(rows, c)
-      return diffloss_sample_cached(net, head, z, x_t, noise_fn, temperature, guidance, cache, self.diffusion)
+      return diffloss_sample_cached(net, head, z, x_t, noise_fn, temperature, guidance, cache, self.diffusion, adaln)
     return out[:z.shape[0] // 2] if self.guided else out
 
 

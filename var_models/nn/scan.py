@@ -5,7 +5,9 @@ stacks them inside the traced function, so checkpoints and converters see the sa
 program holds one block where it held `len(blocks)`: it compiles once, not once per block.
 Stacking reads and writes the blocks' parameters once per call (every scan of a program over the
 same blocks stacks them all, and XLA keeps one stack); blocks that compute in a lower dtype than
-their parameters cast them anyway, and XLA folds the stack into that cast.
+their parameters cast them anyway, and XLA folds the stack into that cast. A scan inside a loop
+(MAR's iterations) takes its stack from outside the loop (`stacked`): XLA does not hoist the
+stacking out of a loop's conditional branches, and would restack every weight at every step.
 """
 from __future__ import annotations
 
@@ -44,18 +46,21 @@ def hooks_group(hooks) -> Optional[Hashable]:
 
 
 def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, xs: Any,
-                call: Callable[[nn.Module, jax.Array, Any, Any], tuple[Any, Any]]) -> tuple[Any, Any]:
+                call: Callable[[nn.Module, jax.Array, Any, Any], tuple[Any, Any]],
+                stacked: Any = None) -> tuple[Any, Any]:
   """carry through blocks[layers[0]], blocks[layers[1]], ... -> (carry, ys): call(block, i, carry,
   x_j) -> (carry, y_j) for each, where i = layers[j] (traced), x_j is the j-th slice of `xs` and ys
   the y_j stacked (pytrees of arrays with a leading axis of len(layers)). `blocks`: bound submodules of one class
   and configuration (a deterministic call may differ in what it ignores, e.g. drop-path rates).
 
   Runs one `lax.scan`; `call` is traced once, on a copy of blocks[0] bound to each layer's
-  parameters (all of `blocks` stacked, whichever `layers` run: see the module docstring)."""
+  parameters (all of `blocks` stacked, whichever `layers` run: see the module docstring; or
+  `stacked`, their `stack_layers` made by the caller)."""
   kinds = {type(b) for b in blocks}
   if len(kinds) != 1:
     raise ValueError(f'scan_blocks: the blocks must be of one class, got {sorted(k.__name__ for k in kinds)}')
-  stacked = stack_layers([b.variables['params'] for b in blocks])
+  if stacked is None:
+    stacked = stack_layers([b.variables['params'] for b in blocks])
   body = blocks[0].clone(parent=None)
 
   def step(c, layer):
