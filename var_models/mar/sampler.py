@@ -154,14 +154,22 @@ class _MARSampler:
                     forced=None if forced is None else jnp.asarray(forced, jnp.float32)),)
     return args, dict(cfg_schedule=cfg_schedule)
 
+  def _prepared(self, params, heads: list):
+    """(params with the blocks' and the head's Dense weights in the compute dtype, the scanned
+    blocks' stacks ({} unrolled), {head cache: its `head_adaln`} of the distinct `heads`): made
+    once per call, outside the iteration loop (XLA moves none of it out of the loop)."""
+    mar = {k: dense_params_in(v, self.mar_cfg.dtype) if k.startswith(_CAST) else v for k, v in params['mar'].items()}
+    stacked = self.model.apply({'params': mar}, method=MAR.stacked_blocks) if self.scan_blocks else {}
+    adaln = {c: head_adaln(self.head, mar['diffloss'], c, self.diffusion.num_timesteps) for c in heads}
+    return {**params, 'mar': mar}, stacked, adaln
+
   def _sample(self, params, key, labels, cfg, temperature, draws=None, *, cfg_schedule):
     draws = draws or dict(orders=None, noises=None, forced=None)
     mc = self.mar_cfg
-    # Cast, stacked and merged once, here: XLA moves none of it out of the iteration loop.
-    params = {**params, 'mar': {k: dense_params_in(v, mc.dtype) if k.startswith(_CAST) else v
-                                for k, v in params['mar'].items()}}
+    # The distinct plans' model parts, and the distinct head caches, each traced and compiled once.
+    trunks, heads = list(dict.fromkeys(self.plans)), list(dict.fromkeys(self.head_caches))
+    params, stacked, adaln = self._prepared(params, heads)
     mp = {'params': params['mar']}
-    stacked = self.model.apply(mp, method=MAR.stacked_blocks) if self.scan_blocks else {}
     b, n, d = labels.shape[0], mc.seq_len, mc.token_embed_dim
     key, k_order = jax.random.split(key)
     order = draws['orders']
@@ -190,9 +198,6 @@ class _MARSampler:
       tokens = tokens.at[jnp.arange(b)[:, None], idx].set(used, mode='drop')
       return (tokens, state), (dict(pred=idx, sampled=new, **record) if self.record else None)
 
-    # The distinct plans' model parts, and the distinct head caches, each traced and compiled once.
-    trunks, heads = list(dict.fromkeys(self.plans)), list(dict.fromkeys(self.head_caches))
-    adaln = {c: head_adaln(self.head, params['mar']['diffloss'], c, self.diffusion.num_timesteps) for c in heads}
     for name, distinct, per_iter in (('plan', trunks, self.plans), ('head', heads, self.head_caches)):
       if len(distinct) > 1:
         per_step[name] = jnp.asarray([distinct.index(p) for p in per_iter], jnp.int32)
