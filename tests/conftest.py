@@ -27,18 +27,6 @@ def pytest_configure(config):
     config.xla_cache = os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='tests_xla_cache_')
 
 
-# The modules that take longest on 2 CPU cores (CI's --durations), started first: with
-# `--dist loadscope --no-loadscope-reorder` a module runs whole on one worker, in this order, so
-# the long ones do not start last and leave the other worker idle.
-LONGEST_FIRST = ('test_multihost.py', 'test_evaluate.py', 'test_train_sharding.py', 'test_train_families.py',
-                 'test_mar_sampler.py', 'test_accel_compare.py', 'test_builtin_metrics.py', 'test_vqvae_losses.py')
-
-
-def pytest_collection_modifyitems(items):
-  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 def pytest_unconfigure(config):
   if getattr(config, 'xla_cache', None):
     shutil.rmtree(config.xla_cache, ignore_errors=True)
