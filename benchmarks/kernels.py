@@ -33,14 +33,11 @@
 (g) A dense layer of weights stacked on a layer axis (a scanned block's) at Infinity-2B's four
     shapes and 2-128 rows, 32 layers in a loop: `pk.layer_dense` against XLA's GEMM of the
     copied slice and of separate weights, against the floor of reading the weights once.
-(h) MAR-H's diffusion-head res blocks (12 adaLN MLP blocks of width 1536, bf16) at 2-64 rows,
-    20 denoiser steps in a loop: `pk.adaln_mlp`'s two kernels per block against XLA's
-    computation of the same blocks, against the floor of reading the weights once per step.
 
 Every kernel is first checked against a float32 XLA computation on the same
 bf16 inputs (relative L2 error). Times: medians over repetitions of many
 back-to-back calls (inputs rotated beyond L2) after warm-up; compile apart.
-Usage (GPU): PYTHONPATH=. python3 benchmarks/kernels.py [--only a,b,c,d,e,f,g,h]
+Usage (GPU): PYTHONPATH=. python3 benchmarks/kernels.py [--only a,b,c,d,e,f,g]
 CPU smoke run of the script itself (tiny shapes, interpret mode): --smoke
 """
 from __future__ import annotations
@@ -609,49 +606,6 @@ def bench_layer_dense(args, ceil):
         ['shape', 'variant', 'median us', 'fraction of floor', 'rel. L2 error', 'compile s'], rows)
 
 
-# -------------------------------------------------------------------------- (h)
-def adaln_mlp_tilings(configs: str):
-  """(row name, adaln_mlp tiling) of each of --adaln_configs ('16x512w4': block_n x block_k, warps)."""
-  for cfg in filter(None, configs.split(',')):
-    bn, bk, warps = map(int, re.fullmatch(r'(\d+)x(\d+)w(\d+)', cfg).groups())
-    yield f'pallas {cfg}', dict(block_n=bn, block_k=bk, num_warps=warps)
-
-
-def bench_adaln_mlp(args, ceil):
-  """MAR-H's head res blocks chained, `steps` denoiser steps in a loop (each step's output is the
-  next one's input, as in the sampler): the kernels against XLA, beside the floor of reading every
-  block's two weight matrices once per step."""
-  impl = 'interpret' if args.smoke else 'triton'
-  depth, width, steps, dtype = (2, 128, 2, jnp.float32) if args.smoke else (12, 1536, 20, jnp.bfloat16)
-  keys = iter(jax.random.split(jax.random.key(7), 6 * depth))
-  blocks = [((1 + 0.1 * _normal(next(keys), (width,), dtype), 0.1 * _normal(next(keys), (width,), dtype)),
-             (_normal(next(keys), (width, width), dtype) / np.sqrt(width), 0.1 * _normal(next(keys), (width,), dtype),
-              _normal(next(keys), (width, width), dtype) / np.sqrt(width), 0.1 * _normal(next(keys), (width,), dtype)))
-            for _ in range(depth)]
-  row_counts = (2, 16) if args.smoke else tuple(int(r) for r in args.adaln_rows.split(','))
-  tilings = {'pallas default': {}, **dict(adaln_mlp_tilings(args.adaln_configs))}
-  _, floor = floor_ms(0, steps * depth * 2 * width * width * jnp.dtype(dtype).itemsize, ceil)
-  rows = []
-  for m in row_counts:
-    x = _normal(jax.random.key(m), (m, width), dtype)
-    mods = [0.3 * _normal(jax.random.fold_in(jax.random.key(m), i + 1), (3, m, width), dtype) for i in range(depth)]
-
-    def chain(block_impl, **tiling):
-      def step(_, h):
-        for (ln, mlp), (shift, scale, gate) in zip(blocks, mods):
-          h = pk.adaln_mlp(h, shift, scale, gate, ln, mlp, impl=block_impl, **tiling)
-        return h
-      return lambda x: jax.lax.fori_loop(0, steps, step, x)
-
-    want = jax.jit(chain('reference'))(x.astype(jnp.float32))
-    for name, fn in {'XLA': chain('reference'), **{n: chain(impl, **t) for n, t in tilings.items()}}.items():
-      compile_s, ms = timeit(fn, [(x,)], 2 if args.smoke else 30)
-      err = rel_err(jax.jit(fn)(x), want)
-      rows.append((f'{depth} blocks x {steps} steps, {m} rows', name, ms * 1e3 / steps, floor / ms, err, compile_s))
-  table(f'(h) MAR-H head res blocks per denoiser step (floor: {depth} blocks\' weights read once per step)',
-        ['shape', 'variant', 'median us per step', 'fraction of floor', 'rel. L2 error vs float32', 'compile s'], rows)
-
-
 # -------------------------------------------------------------------------- (f)
 def bench_top_k(args, ceil):
   impl = 'interpret' if args.smoke else 'triton'
@@ -676,14 +630,11 @@ def bench_top_k(args, ceil):
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--only', default='a,b,c,d,e,f,g,h')
+  p.add_argument('--only', default='a,b,c,d,e,f,g')
   p.add_argument('--smoke', action='store_true', help='tiny shapes, interpret mode (CPU)')
   p.add_argument('--layer_dense_configs', default='',
                  help="extra tilings for (g), e.g. '128x64s4w4p3' (block_n x block_k, K splits, warps, stages)")
   p.add_argument('--layer_dense_rows', default='2,16,64,128', help='row counts of (g)')
-  p.add_argument('--adaln_configs', default='',
-                 help="extra tilings for (h), e.g. '16x512w4' (block_n x block_k, warps)")
-  p.add_argument('--adaln_rows', default='2,8,16,32,64', help='row counts of (h)')
   p.add_argument('--bwd_configs', default='',
                  help="extra backward variants for (b), e.g. '32x64w4,64x128w8'")
   args = compilation_cache.parse_args(p)
@@ -692,7 +643,7 @@ def main():
   print(f'measured ceilings: copy {ceil["copy_gbs"]:.0f} GB/s (read + write), '
         f'bf16 matmul {ceil["tflops"]:.0f} TFLOP/s')
   parts = dict(a=bench_csla, b=bench_training, c=bench_gather, d=bench_gathered,
-               e=bench_column_sums, f=bench_top_k, g=bench_layer_dense, h=bench_adaln_mlp)
+               e=bench_column_sums, f=bench_top_k, g=bench_layer_dense)
   for part in args.only.split(','):
     try:
       parts[part](args, ceil)

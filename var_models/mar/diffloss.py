@@ -19,7 +19,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import adaln_mlp
 from var_models.mar.gaussian_diffusion import GaussianDiffusion, SampleModelFn, create_diffusion
 from var_models.nn.blocks import concat_dense, merged_modulations, modulate
 from var_models.nn.timestep import TimestepEmbedder
@@ -35,9 +34,7 @@ def _dense(features: int, name: str, dtype, kernel_init=_xavier) -> nn.Dense:
 
 
 class ResBlock(nn.Module):
-  """x + gate * MLP(modulate(LN(x), scale, shift)), (shift, scale, gate) from y. [N, w] -> [N, w].
-  Applied, the LN, MLP, gate and residual are `pallas_kernels.adaln_mlp` (its kernels on few rows
-  of a GPU, the same computation in XLA elsewhere); initialised, flax's layers make the params."""
+  """x + gate * MLP(modulate(LN(x), scale, shift)), (shift, scale, gate) from y. [N, w] -> [N, w]."""
   width: int
   dtype: Any = jnp.float32
 
@@ -50,18 +47,14 @@ class ResBlock(nn.Module):
     if mod is None:
       mod = _dense(3 * self.width, 'adaLN_modulation_1', self.dtype, _zeros)(nn.silu(y))
     shift, scale, gate = (None, None, mod) if mod.shape[-1] == self.width else jnp.split(mod, 3, axis=-1)
-    if self.is_initializing():
-      h = nn.LayerNorm(epsilon=1e-6, use_fast_variance=False, dtype=self.dtype, name='in_ln')(x)
-      h = _dense(self.width, 'mlp_2', self.dtype)(nn.silu(_dense(self.width, 'mlp_0', self.dtype)(modulate(h, scale, shift))))
-      return x + gate * h
 
-    def mlp(gate=None):   # x + gate * MLP, or the MLP's output alone
-      p = self.variables['params']
-      return adaln_mlp(x, shift, scale, gate, (p['in_ln']['scale'], p['in_ln']['bias']),
-                       tuple(p[k][n] for k in ('mlp_0', 'mlp_2') for n in ('kernel', 'bias')), eps=1e-6)
+    def mlp():
+      h = nn.LayerNorm(epsilon=1e-6, use_fast_variance=False, dtype=self.dtype, name='in_ln')(x)
+      h = _dense(self.width, 'mlp_0', self.dtype)(modulate(h, scale, shift))
+      return _dense(self.width, 'mlp_2', self.dtype)(nn.silu(h))
 
     if hooks is None:
-      return mlp(gate)
+      return x + gate * mlp()
     return hooks.res_block(index, x, gate, mlp, state)
 
 
