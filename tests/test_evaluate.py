@@ -1,6 +1,6 @@
 """`python -m train.evaluate` on the tiny VAR (random weights, built-in data): ADM-format shards with balanced
-classes, resuming a killed run, the Inception metrics (a small stand-in network, and the real one with random
-weights from its checkpoint), built-in metrics, flag errors."""
+classes, resuming a killed run, the Inception metrics (through a small stand-in network: the real one, its
+checkpoint and its outputs are tests/test_inception.py's), built-in metrics, flag errors."""
 import json
 import os
 import pathlib
@@ -12,20 +12,34 @@ import numpy as np
 import pytest
 from absl import flags
 
+from configs import var as var_configs
 from train import builtin_classifier, evaluate
+from train.tasks import random_stand_in
+from var_models import checkpoint
+from var_models.var import from_config as var_from_config
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'var.py') + ':tiny'
 CLASSES, PER_CLASS, BATCH = 10, 2, 8   # 20 images: calls of 8, 8 and 4 (padded)
 
 
-def _evaluate(out, *args):
-  """main() in this process (so tests can monkeypatch), with flags reset to their defaults first."""
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS(['evaluate', '--config', CONFIG, '--out', str(out), '--per_class', str(PER_CLASS),
-               '--batch_size', str(BATCH), '--seed', '3', *args])
-  evaluate.main([])
-  with open(os.path.join(out, 'results.json')) as f:
-    return json.load(f)
+@pytest.fixture(scope='module')
+def run_evaluate(tmp_path_factory):
+  """run(out, *flags) -> results.json: main() in this process (so tests can monkeypatch), flags reset to
+  their defaults first, on a checkpoint of the tiny VAR with random weights drawn without compiling its
+  initialisers (each run's own random init would compile them again: ~6 s a run)."""
+  var_cfg, vq_cfg = var_from_config.var_configs(var_configs.get_config('tiny'))
+  abstract = jax.eval_shape(lambda k: var_from_config.init_var_params(var_cfg, vq_cfg, k), jax.random.key(0))
+  ckpt = str(tmp_path_factory.mktemp('ckpt'))
+  checkpoint.save_params(ckpt, random_stand_in(abstract, seed=0), {'model': 'random'})
+
+  def run(out, *args):
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(['evaluate', '--config', CONFIG, '--ckpt', ckpt, '--out', str(out), '--per_class', str(PER_CLASS),
+                 '--batch_size', str(BATCH), '--seed', '3', *args])
+    evaluate.main([])
+    with open(os.path.join(out, 'results.json')) as f:
+      return json.load(f)
+  return run
 
 
 def _shards(directory):
@@ -33,10 +47,10 @@ def _shards(directory):
 
 
 @pytest.fixture(scope='module')
-def sampled(tmp_path_factory):
+def sampled(tmp_path_factory, run_evaluate):
   """An --out directory with the 20 samples at cfg 1.5 (the config's) and their results.json."""
   out = tmp_path_factory.mktemp('eval')
-  _evaluate(out, '--nobuiltin')
+  run_evaluate(out, '--nobuiltin')
   return out
 
 
@@ -57,23 +71,23 @@ def test_shards_are_adm_npz_with_every_class_equally_often(sampled):
   assert row['images'] == 20 and row['sec_per_image'] > 0 and 'fid' not in row
 
 
-def test_a_rerun_samples_only_the_missing_shard_and_the_same_bytes(copy):
+def test_a_rerun_samples_only_the_missing_shard_and_the_same_bytes(copy, run_evaluate):
   directory = copy / 'cfg_1.5'
   last = directory / 'samples_0_00002.npz'
   want, kept = last.read_bytes(), {n: os.stat(directory / n).st_mtime_ns for n in _shards(directory)[:2]}
   last.unlink()
-  _evaluate(copy, '--nobuiltin')
+  run_evaluate(copy, '--nobuiltin')
   assert last.read_bytes() == want
   assert kept == {n: os.stat(directory / n).st_mtime_ns for n in _shards(directory)[:2]}
   with pytest.raises(ValueError, match='holds samples drawn with .* use another --out'):
-    _evaluate(copy, '--nobuiltin', '--seed', '4')
+    run_evaluate(copy, '--nobuiltin', '--seed', '4')
 
 
-def test_each_guidance_scale_is_a_run_of_its_own_with_the_same_parameters(copy, tmp_path_factory):
-  rows = _evaluate(copy, '--nobuiltin', '--cfg', '1.5,3')
+def test_each_guidance_scale_is_a_run_of_its_own_with_the_same_parameters(copy, tmp_path_factory, run_evaluate):
+  rows = run_evaluate(copy, '--nobuiltin', '--cfg', '1.5,3')
   assert sorted(rows) == ['cfg_1.5', 'cfg_3'] and rows['cfg_3']['options']['cfg'] == 3.0
   alone = tmp_path_factory.mktemp('cfg_3_alone')
-  _evaluate(alone, '--nobuiltin', '--cfg', '3')
+  run_evaluate(alone, '--nobuiltin', '--cfg', '3')
   names = _shards(copy / 'cfg_3')
   assert names == _shards(alone / 'cfg_3') and len(names) == 3
   for name in names:
@@ -91,7 +105,7 @@ class _SmallInception(nn.Module):
     return {'pool': pool, 'logits': nn.Dense(10)(pool), 'spatial': nn.Dense(12)(x)}
 
 
-def test_inception_metrics_are_finite_and_the_reference_is_cached(copy, monkeypatch):
+def test_inception_metrics_are_finite_and_the_reference_is_cached(copy, monkeypatch, run_evaluate):
   model = _SmallInception()
   params = model.init(jax.random.key(0), np.zeros((1, 32, 32, 3)))['params']
   loads = []
@@ -99,22 +113,22 @@ def test_inception_metrics_are_finite_and_the_reference_is_cached(copy, monkeypa
   ref = str(copy / 'ref.npz')
   np.savez(ref, arr_0=np.random.default_rng(0).integers(0, 256, (12, 32, 32, 3), np.uint8))
   args = ('--nobuiltin', '--ref', ref, '--inception', str(copy), '--cfg', '1.5')
-  row = _evaluate(copy, *args)['cfg_1.5']
+  row = run_evaluate(copy, *args)['cfg_1.5']
   for k in ('fid', 'sfid', 'is', 'precision', 'recall'):
     assert np.isfinite(row[k]), k
   assert 0 <= row['precision'] <= 1 and 0 <= row['recall'] <= 1
   with np.load(copy / 'reference_ref.npz') as f:
     assert f['pool'].shape == (12, 16) and f['mu_s'].shape == (12,)
   np.savez(ref, arr_0=np.zeros((1, 32, 32, 3), np.uint8))   # the cache, not the file, is read again
-  assert _evaluate(copy, *args)['cfg_1.5']['fid'] == row['fid'] and loads == [str(copy)] * 2
+  assert run_evaluate(copy, *args)['cfg_1.5']['fid'] == row['fid'] and loads == [str(copy)] * 2
 
 
-def test_builtin_metrics_are_on_by_default_for_a_model_of_the_built_in_data(copy, monkeypatch):
+def test_builtin_metrics_are_on_by_default_for_a_model_of_the_built_in_data(copy, monkeypatch, run_evaluate):
   monkeypatch.setattr(builtin_classifier, 'TRAIN_STEPS', 20)
   monkeypatch.setattr(builtin_classifier, 'REFERENCE_SIZE', 50)
-  row = _evaluate(copy)['cfg_1.5']
+  row = run_evaluate(copy)['cfg_1.5']
   assert 0 <= row['class_accuracy'] <= 1 and np.isfinite(row['frechet_distance'])
-  assert (copy / 'builtin_classifier').is_dir()   # no training workdir: trained into --out
+  assert (copy / 'builtin_classifier').is_dir()   # --ckpt is not a training workdir: trained into --out
 
 
 @pytest.mark.parametrize('args,error', [
@@ -126,26 +140,10 @@ def test_builtin_metrics_are_on_by_default_for_a_model_of_the_built_in_data(copy
     (['--inception', 'CKPT'], r'--inception needs --ref'),
     (['--ref', 'NOARR', '--inception', 'CKPT'], r'--ref .* no arr_0'),
     (['--num_iter', '4'], r'--num_iter applies to MAR configs')])
-def test_bad_flags_are_named_before_anything_is_sampled(tmp_path, args, error):
+def test_bad_flags_are_named_before_anything_is_sampled(tmp_path, args, error, run_evaluate):
   np.savez(tmp_path / 'ref.npz', arr_0=np.zeros((2, 8, 8, 3), np.uint8))
   np.savez(tmp_path / 'noarr.npz', mu=np.zeros(3))
   subs = {'REF': str(tmp_path / 'ref.npz'), 'NOARR': str(tmp_path / 'noarr.npz'), 'CKPT': str(tmp_path)}
   with pytest.raises(ValueError, match=error):
-    _evaluate(tmp_path / 'out', '--nobuiltin', *(subs.get(a, a) for a in args))
+    run_evaluate(tmp_path / 'out', '--nobuiltin', *(subs.get(a, a) for a in args))
   assert not (tmp_path / 'out').exists() or not any((tmp_path / 'out').iterdir())
-
-
-@pytest.mark.filterwarnings('ignore:Matrix is singular')   # 20 samples of 2048 features
-def test_the_inception_network_from_its_checkpoint_scores_the_samples(copy):
-  """No stand-in: a random-weight FIDInceptionV3 saved as `python -m var_models.convert inception` does."""
-  from var_models import checkpoint
-  from var_models.tokenizers.inception import FIDInceptionV3
-  params = jax.jit(FIDInceptionV3().init)(jax.random.key(0), np.zeros((1, 8, 8, 3), np.float32))['params']
-  checkpoint.save_params(str(copy / 'inception'), {'inception': params}, {'model': 'random'})
-  ref = str(copy / 'ref.npz')
-  np.savez(ref, arr_0=np.random.default_rng(0).integers(0, 256, (8, 32, 32, 3), np.uint8))
-  row = _evaluate(copy, '--nobuiltin', '--ref', ref, '--inception', str(copy / 'inception'))['cfg_1.5']
-  for k in ('fid', 'sfid', 'is', 'precision', 'recall'):
-    assert np.isfinite(row[k]), k
-  with np.load(copy / 'reference_ref.npz') as f:
-    assert f['pool'].shape == (8, 2048) and f['mu_s'].shape == (2023,)

@@ -44,7 +44,7 @@ import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
-from sampling import compilation_cache, family_from_config, sampling_from_config
+from sampling import compilation_cache, sampling_from_config
 from sampling import flags as sf
 from train import multihost
 from train.builtin_classifier import BuiltinMetrics
@@ -280,9 +280,10 @@ def main(argv):
   batch, cfgs, out = sf.batch_size(config.sample.batch_size), _cfg_values(), _OUT.value
   key = jax.random.key(sf.pick(sf.SEED, config.sample.seed))
   pkey, key = jax.random.split(key)
-  family = family_from_config(config, sf.CKPT.value, sf.overrides(config.family, cfgs[0]), pkey)
-  family.make(_policy(family))   # a policy that does not fit fails before compiling
-  labels = balanced_labels(_NUM.value or _PER_CLASS.value * family.num_classes, family.num_classes)
+  plain = sampling_from_config(config, sf.overrides(config.family, cfgs[0]))
+  plain.make(_policy(plain))   # a policy that does not fit fails before any parameter is made
+  labels = balanced_labels(_NUM.value or _PER_CLASS.value * plain.num_classes, plain.num_classes)
+  family = plain.with_params(plain.load(sf.CKPT.value, pkey))
   os.makedirs(out, exist_ok=True)
   inception = ref = builtin = None
   if _INCEPTION.value and jax.process_index() == 0:
