@@ -4,8 +4,9 @@ JAX's distributed runtime.
 The runs use the two launch recipes of train/multihost.py: the coordinator-address
 variables, and SLURM's variables (faked here as srun would set them). Each process
 starts in its own session, as a scheduler's job step does, and a signal goes to the
-whole session (the grain workers too). Every run is compared with one process of 4
-devices on the same (data 2, fsdp 2) mesh, global batch and seed.
+whole session (the grain workers too). The E-CAR and MAR training runs and the evaluation
+are compared with one process of 4 devices on the same (data 2, fsdp 2) mesh, global batch
+and seed.
 """
 import importlib.util
 import json
