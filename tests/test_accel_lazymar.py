@@ -11,6 +11,7 @@ import pytest
 
 from accel.lazymar import (OFFICIAL_RATIOS, LazyMAR, is_refresh, keep_count, kept_positions, merge_sizes,
                            similarity_scores)
+from var_models.mar import diffloss
 from var_models.mar import model as mar_lib
 from var_models.mar.diffloss import (HeadCache, SimpleMLPAdaLN, diffloss_sample, diffloss_sample_cached,
                                      merged_adaln)
@@ -162,6 +163,29 @@ def test_cache_free_stepped_loop_equals_the_guided_sampler():
   noise = lambda i: jax.random.normal(jax.random.fold_in(k_loop, i), (6, net.in_channels))[:3]
   got = diffloss_sample_cached(net, head, z, x_t, noise, 1.0, 2.5, HeadCache(), diffusion)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize('cached', [False, True])
+def test_adaln_outputs_computed_before_the_loop_give_the_per_step_tokens(monkeypatch, cached):
+  """Every step's adaLN outputs in one GEMM before the head's loop (up to ADALN_AHEAD_MAX_ROWS rows),
+  or one GEMM a step: the same tokens, plain and through LazyMAR's head cache (each kind its own)."""
+  net, head, z = _head_inputs()
+  diffusion = create_diffusion('10')
+  ahead = diffloss.adaln_ahead(net, head, z, merged_adaln(head), diffusion)
+  assert ahead.shape == (10, 6, (3 * net.num_res_blocks + 2) * net.model_channels)
+  cache = LazyMAR(**TINY).bind(_binding(CFG, NUM_ITER, 10)).head_cache(IterPlan())
+  x_t = jax.random.normal(jax.random.key(2), (3, net.in_channels))
+  noise = lambda i: jax.random.normal(jax.random.fold_in(jax.random.key(3), i), (3, net.in_channels))
+
+  def sample(rows):
+    monkeypatch.setattr(diffloss, 'ADALN_AHEAD_MAX_ROWS', rows)
+    if cached:
+      return diffloss_sample_cached(net, head, z, x_t, noise, 1.0, 2.5, cache, diffusion)
+    return diffloss_sample(net, head, z, jax.random.key(1), 1.0, 2.5, guided=True, diffusion=diffusion)
+
+  want = sample(0)
+  assert diffloss.adaln_ahead(net, head, z, merged_adaln(head), diffusion) is None   # 6 rows > 0
+  np.testing.assert_allclose(sample(6), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_cached_head_step_right_after_a_full_one_on_the_same_input_repeats_it():

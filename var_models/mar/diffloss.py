@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from var_models.mar.gaussian_diffusion import GaussianDiffusion, SampleModelFn, create_diffusion
-from var_models.nn.blocks import concat_dense, merged_modulations, modulate
+from var_models.nn.blocks import concat_dense, merged_dense, merged_modulations, modulate, split_modulations
 from var_models.nn.timestep import TimestepEmbedder
 
 Array = jax.Array
@@ -121,25 +121,40 @@ class SimpleMLPAdaLN(nn.Module):
     self.res_blocks = [ResBlock(w, dt) for _ in range(self.num_res_blocks)]
     self.final_layer = FinalLayer(w, self.out_channels, dt)
 
-  def __call__(self, x: Array, t: Array, c: Array, adaln: Optional[tuple[Array, Array]] = None) -> Array:
-    """adaln: `merged_adaln(params)`, to run every adaLN Linear as one GEMM (the same values)."""
-    return self._trunk(x, t, c, adaln, None, None)[0]
+  def __call__(self, x: Array, t: Array, c: Array, adaln: Optional[tuple[Array, Array]] = None,
+               ahead: Optional[Array] = None) -> Array:
+    """adaln: `merged_adaln(params)`, to run every adaLN Linear as one GEMM (the same values);
+    ahead: that GEMM's output for this step's (t, c) [N, sum], computed before the sampling loop
+    (`adaln_outputs`): t and c are then not read again."""
+    return self._trunk(x, t, c, adaln, None, None, ahead)[0]
 
   def forward_hooked(self, x: Array, t: Array, c: Array, adaln: tuple[Array, Array], hooks: HeadHooks,
-                     state: Any) -> tuple[Array, Any]:
+                     state: Any, ahead: Optional[Array] = None) -> tuple[Array, Any]:
     """`__call__` through a policy's `hooks`, carrying its `state`; adaln is `merged_adaln(params,
-    blocks)` of the blocks that run (those not in hooks.skipped). -> (out [N, out], state)."""
-    return self._trunk(x, t, c, adaln, hooks, state)
+    blocks)` of the blocks that run (those not in hooks.skipped), ahead its output as in
+    `__call__`. -> (out [N, out], state)."""
+    return self._trunk(x, t, c, adaln, hooks, state, ahead)
 
-  def _trunk(self, x, t, c, adaln, hooks, state):
+  def adaln_outputs(self, t: Array, c: Array, adaln: tuple[Array, Array]) -> Array:
+    """The merged adaLN GEMM of every step at once: t [S] (each step's original diffusion step), c
+    [N, z] -> [S, N, sum], what a step at t on the rows c computes, by the same operations on each
+    (step, row). Its weights, most of the head's bytes, are then read once for S steps instead of
+    once a step."""
+    (s,), (n, _) = t.shape, c.shape
+    y = self.time_embed(jnp.repeat(t, n)).reshape(s, n, -1) + self.cond_embed(jnp.broadcast_to(c, (s,) + c.shape))
+    return merged_dense(y, adaln, self.dtype)
+
+  def _trunk(self, x, t, c, adaln, hooks, state, ahead):
     h = self.input_proj(x)
-    y = self.time_embed(t) + self.cond_embed(c)
+    y = None if ahead is not None else self.time_embed(t) + self.cond_embed(c)
     skipped = () if hooks is None else hooks.skipped
     run = [i for i in range(self.num_res_blocks) if i not in skipped]
     mods = [None] * (len(run) + 1)
-    if adaln is not None:
-      per_block = 3 if hooks is None or hooks.needs_mlp else 1
-      mods = merged_modulations(y, adaln, per_block * self.model_channels, len(run), self.dtype)
+    width = (3 if hooks is None or hooks.needs_mlp else 1) * self.model_channels
+    if ahead is not None:
+      mods = split_modulations(ahead, width, len(run))
+    elif adaln is not None:
+      mods = merged_modulations(y, adaln, width, len(run), self.dtype)
     mod_of = dict(zip(run, mods))
     for i, block in enumerate(self.res_blocks):
       if hooks is None:
@@ -151,11 +166,11 @@ class SimpleMLPAdaLN(nn.Module):
     return self.final_layer(h, y, mods[-1]).astype(jnp.float32), state
 
   def forward_with_cfg(self, x: Array, t: Array, c: Array, guidance,
-                       adaln: Optional[tuple[Array, Array]] = None) -> Array:
+                       adaln: Optional[tuple[Array, Array]] = None, ahead: Optional[Array] = None) -> Array:
     """Batch = [cond; uncond] halves. Both halves are denoised from the cond half's x; both
     get eps = uncond + guidance * (cond - uncond); the variance channels pass through per row."""
     half = x[: x.shape[0] // 2]
-    out = self(jnp.concatenate([half, half], axis=0), t, c, adaln)
+    out = self(jnp.concatenate([half, half], axis=0), t, c, adaln, ahead)
     eps, rest = out[:, :self.in_channels], out[:, self.in_channels:]
     cond, uncond = jnp.split(eps, 2, axis=0)
     guided = uncond + guidance * (cond - uncond)
@@ -213,17 +228,39 @@ def diffloss_loss(net: SimpleMLPAdaLN, params, target: Array, z: Array, mask: Op
   return jnp.sum(loss * mask) / jnp.sum(mask)
 
 
+# Rows up to which a sampling loop computes every step's adaLN outputs before it starts
+# (`SimpleMLPAdaLN.adaln_outputs`): a few rows make the per-step GEMM a pass over its weights, most
+# of the head's bytes. More rows make it a GEMM that pays for itself, and the outputs of all steps
+# (steps x rows x (3 depth + 2) width) would grow to gigabytes.
+ADALN_AHEAD_MAX_ROWS = 64
+
+
+def adaln_ahead(net: SimpleMLPAdaLN, params, z: Array, adaln: tuple[Array, Array], diffusion: GaussianDiffusion,
+                steps: Optional[Sequence[int]] = None) -> Optional[Array]:
+  """The merged adaLN outputs of the loop steps `steps` (default: all; loop step i is t = T-1-i) on
+  the rows z [N, Cz] -> [len(steps), N, sum], or None where N > ADALN_AHEAD_MAX_ROWS."""
+  if z.shape[0] > ADALN_AHEAD_MAX_ROWS:
+    return None
+  steps = range(diffusion.num_timesteps) if steps is None else steps
+  t = diffusion.model_timesteps(jnp.asarray([diffusion.num_timesteps - 1 - i for i in steps], jnp.int32))
+  return net.apply({'params': params}, t, z, adaln, method=SimpleMLPAdaLN.adaln_outputs)
+
+
 def diffloss_model_fn(net: SimpleMLPAdaLN, params, z: Array, guidance, guided: bool,
-                      adaln: Optional[tuple[Array, Array]] = None) -> SampleModelFn:
+                      adaln: Optional[tuple[Array, Array]] = None,
+                      diffusion: Optional[GaussianDiffusion] = None) -> SampleModelFn:
   """model_fn(x, t_model, i) for `p_sample_loop`: the plain net, or with `guided` (z = [cond;
-  uncond]) `forward_with_cfg` at the (possibly traced) guidance. The step index is unused here.
-  adaln: `merged_adaln(params)`, merged by a caller outside its own loop; default: merged here,
-  outside the loop that calls model_fn."""
+  uncond]) `forward_with_cfg` at the (possibly traced) guidance. adaln: `merged_adaln(params)`,
+  merged by a caller outside its own loop; default: merged here, outside the loop that calls
+  model_fn. With the loop's `diffusion`, loop step i takes its adaLN outputs from `adaln_ahead`,
+  computed here, before the loop, where it applies."""
   adaln = merged_adaln(params) if adaln is None else adaln
+  ahead = None if diffusion is None else adaln_ahead(net, params, z, adaln, diffusion)
+  step = lambda i: None if ahead is None else ahead[i]
   if guided:
-    return lambda x, t, i: net.apply({'params': params}, x, t, z, guidance, adaln,
+    return lambda x, t, i: net.apply({'params': params}, x, t, z, guidance, adaln, step(i),
                                      method=SimpleMLPAdaLN.forward_with_cfg)
-  return lambda x, t, i: net.apply({'params': params}, x, t, z, adaln)
+  return lambda x, t, i: net.apply({'params': params}, x, t, z, adaln, step(i))
 
 
 class HeadCache:
@@ -269,12 +306,18 @@ def diffloss_sample_cached(net: SimpleMLPAdaLN, params, z: Array, x_T: Array, no
   r, c = x_T.shape
   kinds = cache.kinds(diffusion.num_timesteps)
   adaln = adaln or head_adaln(net, params, cache, diffusion.num_timesteps)
+  # Each kind's adaLN outputs at its own steps, before the loop (`adaln_ahead`): at[i] is step i's
+  # row among its kind's.
+  steps_of = {kind: [i for i, k in enumerate(kinds) if k == kind] for kind in adaln}
+  ahead = {kind: adaln_ahead(net, params, z if cache.uncond(kind) else z[:r], adaln[kind], diffusion, steps)
+           for kind, steps in steps_of.items()}
+  at = jnp.asarray([steps_of[k].index(i) for i, k in enumerate(kinds)], jnp.int32)
 
   def model_fn(kind, x, t, i, state):
     both = cache.uncond(kind)
     x, t, cond = (jnp.concatenate([x, x]), jnp.concatenate([t, t]), z) if both else (x, t, z[:r])
     out, state = net.apply({'params': params}, x, t, cond, adaln[kind], cache.hooks(kind), state,
-                           method=SimpleMLPAdaLN.forward_hooked)
+                           None if ahead[kind] is None else ahead[kind][at[i]], method=SimpleMLPAdaLN.forward_hooked)
     eps, state = cache.guide(kind, out[:r, :c], out[r:, :c] if both else None, guidance, state)
     return jnp.concatenate([eps, out[:r, c:]], axis=1), state
 
@@ -296,5 +339,5 @@ def diffloss_sample(net: SimpleMLPAdaLN, params, z: Array, key: Array, temperatu
   x_T = jax.random.normal(k_init, (n, net.in_channels), jnp.float32)
   if guided:
     x_T = jnp.concatenate([x_T, x_T], axis=0)
-  model_fn = diffloss_model_fn(net, params, z, guidance, guided, adaln)
+  model_fn = diffloss_model_fn(net, params, z, guidance, guided, adaln, diffusion)
   return diffusion.p_sample_loop(model_fn, x_T, k_loop, temperature)

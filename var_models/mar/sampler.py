@@ -267,7 +267,7 @@ class _MARSampler:
       x_t = noises['init'].reshape(-1, net.in_channels)
       x_t = jnp.concatenate([x_t, x_t]) if self.guided else x_t
       steps = noises['steps'].reshape(self.diffusion.num_timesteps, -1, net.in_channels)
-      model_fn = diffloss_model_fn(net, head, z, guidance, self.guided, adaln[None])
+      model_fn = diffloss_model_fn(net, head, z, guidance, self.guided, adaln[None], self.diffusion)
       out = self.diffusion.p_sample_loop_with_noises(model_fn, x_t, steps[:, :x_t.shape[0]], temperature)
     else:
       rows, c = z.shape[0] // 2, net.in_channels

@@ -165,12 +165,21 @@ def concat_dense(layers) -> tuple[Array, Array]:
   return jnp.concatenate([l['kernel'] for l in layers], axis=1), jnp.concatenate([l['bias'] for l in layers])
 
 
-def merged_modulations(y: Array, merged: tuple[Array, Array], width: int, count: int, dtype) -> list[Array]:
-  """SiLU(y) [..., C] through `concat_dense`'s layers -> their outputs: `count` of `width` each,
-  then the last layer's."""
+def merged_dense(y: Array, merged: tuple[Array, Array], dtype) -> Array:
+  """SiLU(y) [..., C] through `concat_dense`'s layers -> their outputs side by side [..., sum]."""
   kernel, bias = merged
-  out = jnp.dot(nn.silu(y).astype(dtype), kernel.astype(dtype)) + bias.astype(dtype)
+  return jnp.dot(nn.silu(y).astype(dtype), kernel.astype(dtype)) + bias.astype(dtype)
+
+
+def split_modulations(out: Array, width: int, count: int) -> list[Array]:
+  """`merged_dense`'s output [..., sum] -> its layers' outputs: `count` of `width` each, then the
+  last layer's."""
   return jnp.split(out, np.cumsum([width] * count), axis=-1)
+
+
+def merged_modulations(y: Array, merged: tuple[Array, Array], width: int, count: int, dtype) -> list[Array]:
+  """SiLU(y) [..., C] through `concat_dense`'s layers -> their outputs (`split_modulations`)."""
+  return split_modulations(merged_dense(y, merged, dtype), width, count)
 
 
 def dense_params_in(params, dtype) -> dict:
