@@ -25,7 +25,7 @@ CLASSES, PER_CLASS, BATCH = 10, 2, 8   # 20 images: calls of 8, 8 and 4 (padded)
 @pytest.fixture(scope='module')
 def run_evaluate(tmp_path_factory):
   """run(out, *flags) -> results.json: main() in this process (so tests can monkeypatch), flags reset to
-  their defaults first, on a checkpoint of the tiny VAR with random weights drawn without compiling its
+  their defaults before and after, on a checkpoint of the tiny VAR with random weights drawn without compiling its
   initialisers (each run's own random init would compile them again: ~6 s a run)."""
   var_cfg, vq_cfg = var_from_config.var_configs(var_configs.get_config('tiny'))
   abstract = jax.eval_shape(lambda k: var_from_config.init_var_params(var_cfg, vq_cfg, k), jax.random.key(0))
@@ -34,9 +34,12 @@ def run_evaluate(tmp_path_factory):
 
   def run(out, *args):
     flags.FLAGS.unparse_flags()
-    flags.FLAGS(['evaluate', '--config', CONFIG, '--ckpt', ckpt, '--out', str(out), '--per_class', str(PER_CLASS),
-                 '--batch_size', str(BATCH), '--seed', '3', *args])
-    evaluate.main([])
+    try:
+      flags.FLAGS(['evaluate', '--config', CONFIG, '--ckpt', ckpt, '--out', str(out), '--per_class', str(PER_CLASS),
+                   '--batch_size', str(BATCH), '--seed', '3', *args])
+      evaluate.main([])
+    finally:
+      flags.FLAGS.unparse_flags()   # the next test in this process finds every flag at its default
     with open(os.path.join(out, 'results.json')) as f:
       return json.load(f)
   return run
