@@ -12,11 +12,15 @@ matmul FLOPs counted on the sampler's jaxpr (`ecar.sampling_flops`), with and
 without the VAE decoder, beside the paper's Table 2 (1T / 3.2T / 5.8T for S / B / L, which
 leaves the decoder out: configs/ecar.py). Beside every time: the memory floor (`floors.py`): the
 AR's weights read once per stage, each stage's denoiser once per Euler step, the VAE decoder once,
-in the compute dtype, at the HBM bandwidth a copy reaches in the same run.
+in the compute dtype, at the HBM bandwidth a copy reaches in the same run. `--adaln_ahead_rows 128,0`
+compiles each sampler twice, side by side: each stage's adaLN outputs of every Euler step computed
+before its loop where the stage's denoiser runs on up to 128 rows (`blocks.ADALN_AHEAD_MAX_ROWS`),
+and at every step.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import jax
@@ -27,7 +31,8 @@ import ecar
 from ecar.sampler import steps_per_stage
 from configs import ecar as ecar_configs
 import floors
-from timing import print_top_device_ops, time_compiled
+from timing import print_top_device_ops, time_compiled, xla_variants
+from var_models.nn import blocks
 
 PAPER_TFLOPS = {'S': 1.0, 'B': 3.2, 'L': 5.8}  # Table 2, with CFG, 250 steps
 
@@ -49,13 +54,16 @@ def weight_reads(cfg, params, vae, steps: int, dtype: str) -> dict:
 
 
 def time_sampler(cfg, params, vae, batch: int, steps: int, guidance: float, warmup: int, iters: int,
-                 profile: str = '') -> dict:
+                 ahead_rows: int, xla: dict, profile: str = '') -> dict:
+  """Compiles (with XLA options `xla`) and times a new sampler (each traces once), the adaLN
+  outputs computed ahead up to ahead_rows rows."""
+  blocks.ADALN_AHEAD_MAX_ROWS = ahead_rows   # read when the sampler is traced
   sample = ecar.make_sampler(cfg, num_steps=steps)
   labels = np.arange(batch, dtype=np.int32) % cfg.num_classes
   both = {'ecar': params, 'vae': vae}
   compiled, row = time_compiled(sample.lower(both, jax.random.key(0), labels, cfg=guidance),
                                 lambda i: sample.arguments(both, jax.random.key(i), labels, cfg=guidance),
-                                batch, warmup, iters)
+                                batch, warmup, iters, xla)
   if profile:
     print_top_device_ops(lambda: jax.block_until_ready(
         compiled(*sample.arguments(both, jax.random.key(7), labels, cfg=guidance))), profile)
@@ -75,6 +83,10 @@ def main():
   ap.add_argument('--no_flops', action='store_true', help='skip the FLOP count (one more compile per variant)')
   ap.add_argument('--json', default=None, help='also write the rows here')
   ap.add_argument('--profile', default='', help='trace one call per shape into this folder; print the top kernels')
+  ap.add_argument('--adaln_ahead_rows', default=str(blocks.ADALN_AHEAD_MAX_ROWS),
+                  help="rows up to which a stage's adaLN outputs are computed before its loop (0: never), one run per value")
+  ap.add_argument('--xla', default='', help="';'-separated sets of XLA options ('a=1,b=true'), one run per set "
+                  "('' is XLA's defaults)")
   ap.add_argument('--copy_bytes', type=int, default=1 << 31, help='size of the copy that measures HBM bandwidth')
   args = compilation_cache.parse_args(ap)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
@@ -95,14 +107,16 @@ def main():
             f"{f'; paper {paper:g} T' if paper else ''}), steps per stage {flops['steps_per_stage']}", flush=True)
     bound = floors.floor(weight_reads(cfg, params, vae, args.steps, args.dtype), bandwidth)
     print(f'  {floors.describe(bound, bandwidth)}', flush=True)
-    for batch in [int(b) for b in args.batches.split(',')]:
-      r = time_sampler(cfg, params, vae, batch, args.steps, args.cfg, args.warmup, args.iters,
+    for batch, ahead_rows, xla in itertools.product([int(b) for b in args.batches.split(',')],
+                                                    [int(r) for r in args.adaln_ahead_rows.split(',')],
+                                                    xla_variants(args.xla)):
+      r = time_sampler(cfg, params, vae, batch, args.steps, args.cfg, args.warmup, args.iters, ahead_rows, xla,
                        args.profile)
       r.update(variant=variant, batch=batch, steps=args.steps, dtype=args.dtype, backend=args.backend,
-               tflops_per_image=None if not flops else flops['per_image'] / 1e12,
+               adaln_ahead_rows=ahead_rows, xla=xla, tflops_per_image=None if not flops else flops['per_image'] / 1e12,
                floor_ms=bound['seconds'] * 1e3, bandwidth_gb_s=bandwidth / 1e9)
       rows.append(r)
-      print(f"  B={batch:<3} compile {r['compile_s']:6.1f} s  median {r['median_ms']:9.2f} ms  "
+      print(f"  B={batch:<3} adaLN ahead <= {ahead_rows:3} rows{f' XLA {xla}' if xla else ''}: compile {r['compile_s']:6.1f} s  median {r['median_ms']:9.2f} ms  "
             f"per image {r['per_image_ms']:8.2f} ms  (min {r['min_ms']:.2f}, max {r['max_ms']:.2f})  "
             f"{r['median_ms'] / r['floor_ms']:.2f}x the floor {r['floor_ms']:.2f} ms", flush=True)
   if args.json:

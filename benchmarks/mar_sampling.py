@@ -7,9 +7,9 @@ KL-16 decoder included. Compile time apart; medians over --iters calls after
 --warmup calls, each with a fresh key. `--sizes tiny` runs on a CPU. Beside every time: the
 memory floor (`floors.py`): the encoder and decoder weights read once per iteration, the
 diffusion head's once per diffusion step of every iteration, the KL-16 decoder once, in the
-compute dtype, at the HBM bandwidth a copy reaches in the same run. `--adaln_ahead_rows 64,0`
+compute dtype, at the HBM bandwidth a copy reaches in the same run. `--adaln_ahead_rows 128,0`
 compiles each sampler twice, side by side: the diffusion head's adaLN outputs of every step
-computed before its loop up to 64 rows (`diffloss.ADALN_AHEAD_MAX_ROWS`), and at every step.
+computed before its loop up to 128 rows (`blocks.ADALN_AHEAD_MAX_ROWS`), and at every step.
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from sampling import compilation_cache
 from configs import mar as mar_configs
 import floors
 from timing import print_top_device_ops, time_compiled
-from var_models.mar import diffloss
 from var_models.mar import from_config as models
 from var_models.mar.sampler import make_mar_sampler
+from var_models.nn import blocks
 
 
 def weight_reads(params, num_iter: int, steps: int, dtype: str) -> dict:
@@ -43,7 +43,7 @@ def time_one(make_sampler, params, labels, ahead_rows: int, args, bound, bandwid
   """Compiles and times a new sampler's call on `labels` [B], the head's adaLN outputs computed
   ahead up to ahead_rows rows (a sampler of its own: each traces once)."""
   lab, cfg, temp = jnp.asarray(labels), jnp.float32(args.cfg), jnp.float32(1.0)
-  diffloss.ADALN_AHEAD_MAX_ROWS = ahead_rows   # read when the sampler is traced
+  blocks.ADALN_AHEAD_MAX_ROWS = ahead_rows   # read when the sampler is traced
   sample = make_sampler()
   compiled, row = time_compiled(sample.lower(params, jax.random.key(0), labels, cfg=args.cfg),
                                 lambda i: (params, jax.random.key(i), lab, cfg, temp), len(labels), args.warmup,
@@ -72,7 +72,7 @@ def main():
   ap.add_argument('--iters', type=int, default=10)
   ap.add_argument('--json', default=None)
   ap.add_argument('--profile', default='', help='trace one call into this folder; print the top kernels')
-  ap.add_argument('--adaln_ahead_rows', default=str(diffloss.ADALN_AHEAD_MAX_ROWS),
+  ap.add_argument('--adaln_ahead_rows', default=str(blocks.ADALN_AHEAD_MAX_ROWS),
                   help="rows up to which the head's adaLN outputs are computed before its loop (0: never), one run per value")
   ap.add_argument('--copy_bytes', type=int, default=1 << 31, help='size of the copy that measures HBM bandwidth')
   args = compilation_cache.parse_args(ap)

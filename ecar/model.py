@@ -46,7 +46,7 @@ from ecar.config import ECARConfig
 from ecar.flow import up2
 from ecar.layers import DiTBlock, FinalLayer, patchify, unpatchify
 from var_models.nn import attention as attn_lib
-from var_models.nn.blocks import BlockHooks, merged_modulations
+from var_models.nn.blocks import BlockHooks, merged_dense, merged_modulations, split_modulations
 from var_models.nn.timestep import TimestepEmbedder
 from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
 
@@ -144,19 +144,31 @@ class Denoiser(nn.Module):
     return self.cond_proj(r)
 
   def velocity(self, x: Array, timestep: Array, cond: Array,
-               adaln: Optional[tuple[Array, Array]] = None) -> Array:
+               adaln: Optional[tuple[Array, Array]] = None, ahead: Optional[Array] = None) -> Array:
     """x [B, g, g, D], timestep [B], cond [B, N_s, W] from `condition` -> velocity [B, g, g, D] float32.
-    adaln: `layers.merged_adaln` of this denoiser's params, to run every adaLN Linear as one GEMM."""
+    adaln: `layers.merged_adaln` of this denoiser's params, to run every adaLN Linear as one GEMM;
+    ahead: that GEMM's output for this call's (timestep, cond) [B, N_s, sum], computed before the
+    flow loop (`adaln_outputs`): timestep and cond are then not read."""
     cfg = self.cfg
     h = self.x_embed(patchify(x.astype(jnp.float32), cfg.patch_size)) + self.pos_embed
-    c = cond + self.t_embed(timestep)[:, None]
+    c = None if ahead is not None else cond + self.t_embed(timestep)[:, None]
     mods = [None] * (len(self.blocks) + 1)
-    if adaln is not None:
+    if ahead is not None:
+      mods = split_modulations(ahead, 6 * cfg.den_width, len(self.blocks))
+    elif adaln is not None:
       mods = merged_modulations(c, adaln, 6 * cfg.den_width, len(self.blocks), cfg.dtype)
     for block, mod in zip(self.blocks, mods):
       h = block(h, c, mod)
     out = self.final(h, c, mods[-1]).astype(jnp.float32)
     return unpatchify(out, cfg.patch_size, cfg.stage_sizes[self.stage])
+
+  def adaln_outputs(self, timesteps: Array, cond: Array, adaln: tuple[Array, Array]) -> Array:
+    """The merged adaLN GEMM of every Euler step at once: timesteps [S], cond [B, N_s, W] ->
+    [S, B, N_s, sum], what `velocity` computes at each step's timestep on cond, by the same
+    operations on each (step, token). Its weights, a third of the denoiser's, are then read once
+    for the S steps instead of once a step."""
+    c = cond[None] + self.t_embed(timesteps)[:, None, None]
+    return merged_dense(c, adaln, self.cfg.dtype)
 
   def __call__(self, x: Array, timestep: Array, r: Array) -> Array:
     return self.velocity(x, timestep, self.condition(r))
@@ -196,8 +208,11 @@ class ECAR(nn.Module):
     return self.denoiser[stage].condition(r)
 
   def den_velocity(self, stage: int, x: Array, timestep: Array, cond: Array,
-                   adaln: Optional[tuple[Array, Array]] = None) -> Array:
-    return self.denoiser[stage].velocity(x, timestep, cond, adaln)
+                   adaln: Optional[tuple[Array, Array]] = None, ahead: Optional[Array] = None) -> Array:
+    return self.denoiser[stage].velocity(x, timestep, cond, adaln, ahead)
+
+  def den_adaln_outputs(self, stage: int, timesteps: Array, cond: Array, adaln: tuple[Array, Array]) -> Array:
+    return self.denoiser[stage].adaln_outputs(timesteps, cond, adaln)
 
 
 def dummy_inputs(cfg: ECARConfig, batch: int = 1):

@@ -34,7 +34,7 @@ from ecar.model import ECAR
 from ecar.policy import BASELINE, FlowStep, StagePolicy
 from var_models.nn import tokens as tok
 from var_models.nn.attention import KVCache
-from var_models.nn.blocks import dense_params_in
+from var_models.nn.blocks import adaln_ahead_pays, dense_params_in
 from var_models.nn.checks import check_labels
 from var_models.nn.policy import Binding, Halves
 
@@ -113,8 +113,10 @@ class _Sampler:
       r, kvs, state = self._ar_stage(v, s, self.model.apply(v, s, cls2, prev, method=ECAR.ar_inputs), kvs, state)
       cond = self.model.apply(v, s, r, method=ECAR.den_condition)
       adaln = merged_adaln(v['params'][dens[s]])
+      ahead = self._adaln_ahead(v, s, cond, adaln)
       x, state = jax.lax.fori_loop(
-          0, self.steps[s], lambda i, c: self.euler_step(v, s, i, c[0], cond, guidance, c[1], adaln), (x, state))
+          0, self.steps[s], lambda i, c: self.euler_step(v, s, i, c[0], cond, guidance, c[1], adaln, ahead),
+          (x, state))
       if self.return_intermediates:
         aux['r'].append(r[:b])
         aux['ends'].append(x)
@@ -133,21 +135,32 @@ class _Sampler:
       r, state = policy.restore_output(s, r, sel, self.cfg.stage_tokens[s], state)
     return r, kvs, state
 
+  def _adaln_ahead(self, v, s: int, cond: Array, adaln: tuple[Array, Array]) -> Optional[Array]:
+    """Every Euler step's adaLN outputs of stage s on cond [2B, N_s, W] -> [n, 2B, N_s, sum],
+    computed before the stage's loop where that pays (`blocks.adaln_ahead_pays`), else None."""
+    if not adaln_ahead_pays(cond.shape[0] * cond.shape[1]):
+      return None
+    n = self.steps[s]
+    ts = flow_lib.timestep(self.flow, s, jnp.arange(n, dtype=jnp.float32) / n)
+    return self.model.apply(v, s, ts, cond, adaln, method=ECAR.den_adaln_outputs)
+
   def euler_step(self, v, s: int, i: Array, x: Array, cond: Array, guidance: Array, state: Any,
-                 adaln: Optional[tuple[Array, Array]] = None):
+                 adaln: Optional[tuple[Array, Array]] = None, ahead: Optional[Array] = None):
     """One Euler step of stage s: x [B, g, g, D] at local time i / n -> (x + v / n, state), with
     v = v_u + guidance * (v_c - v_u) from the policy's `guide`. cond [2B, N_s, W] is the denoiser's
-    condition from the AR ([cond; uncond]); adaln its merged adaLN weights (`layers.merged_adaln`);
-    guidance the call's `cfg`."""
+    condition from the AR ([cond; uncond]); adaln its merged adaLN weights (`layers.merged_adaln`),
+    ahead their outputs at every step of the stage [n, 2B, N_s, sum] (`_adaln_ahead`); guidance
+    the call's `cfg`."""
     n, b = self.steps[s], x.shape[0]
     ts = flow_lib.timestep(self.flow, s, jnp.full((2 * b,), i, jnp.float32) / n)
-    vel = lambda xx, c, t: self.model.apply(v, s, xx, t, c, adaln, method=ECAR.den_velocity)
+    mods = None if ahead is None else ahead[i]
+    vel = lambda xx, c, t, m: self.model.apply(v, s, xx, t, c, adaln, m, method=ECAR.den_velocity)
 
     def both():
-      out = vel(jnp.concatenate([x, x]), cond, ts)
+      out = vel(jnp.concatenate([x, x]), cond, ts, mods)
       return out[:b], out[b:]
 
-    halves = Halves(both=both, cond=lambda: vel(x, cond[:b], ts[:b]))
+    halves = Halves(both=both, cond=lambda: vel(x, cond[:b], ts[:b], None if mods is None else mods[:b]))
     (v_cond, v_uncond), state = self.policy.guide(FlowStep(s, i), halves, state)
     return x + (v_uncond + guidance * (v_cond - v_uncond)) / n, state
 

@@ -20,6 +20,7 @@ from var_models.mar.model import diffloss_net
 from var_models.mar.policy import IterPlan
 from var_models.mar.sampler import make_mar_sampler
 from var_models.mar.schedule import MARSchedule, mask_schedule
+from var_models.nn import blocks
 from var_models.nn.policy import Binding, Halves
 from test_mar_sampler import LABELS, MAR_CFG, VAE_CFG, _params
 
@@ -167,7 +168,7 @@ def test_cache_free_stepped_loop_equals_the_guided_sampler():
 
 @pytest.mark.parametrize('cached', [False, True])
 def test_adaln_outputs_computed_before_the_loop_give_the_per_step_tokens(monkeypatch, cached):
-  """Every step's adaLN outputs in one GEMM before the head's loop (up to ADALN_AHEAD_MAX_ROWS rows),
+  """Every step's adaLN outputs in one GEMM before the head's loop (up to blocks.ADALN_AHEAD_MAX_ROWS rows),
   or one GEMM a step: the same tokens, plain and through LazyMAR's head cache (each kind its own)."""
   net, head, z = _head_inputs()
   diffusion = create_diffusion('10')
@@ -178,7 +179,7 @@ def test_adaln_outputs_computed_before_the_loop_give_the_per_step_tokens(monkeyp
   noise = lambda i: jax.random.normal(jax.random.fold_in(jax.random.key(3), i), (3, net.in_channels))
 
   def sample(rows):
-    monkeypatch.setattr(diffloss, 'ADALN_AHEAD_MAX_ROWS', rows)
+    monkeypatch.setattr(blocks, 'ADALN_AHEAD_MAX_ROWS', rows)
     if cached:
       return diffloss_sample_cached(net, head, z, x_t, noise, 1.0, 2.5, cache, diffusion)
     return diffloss_sample(net, head, z, jax.random.key(1), 1.0, 2.5, guided=True, diffusion=diffusion)

@@ -11,6 +11,7 @@ import pytest
 import ecar
 from ecar.config import ECARConfig
 from ecar.model import ARTransformer, ECAR
+from var_models.nn import blocks
 
 CFG = ECARConfig(image_size=8, num_classes=4, latent_space='pixel', num_stages=3, patch_size=1, ar_depth=2,
                  ar_width=32, ar_heads=2, den_depth=1, den_width=32, den_heads=2)
@@ -120,6 +121,19 @@ def test_euler_step_guidance_and_the_cond_only_hook(params):
   np.testing.assert_allclose(plain, x + v_c / 4, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(cond_only, plain, rtol=1e-5, atol=1e-5)
   assert float(jnp.max(jnp.abs(v_c - v_u))) > 1e-3
+
+
+def test_adaln_outputs_computed_before_each_flow_loop_give_the_per_step_images(params, monkeypatch):
+  """Every Euler step's adaLN outputs in one GEMM before each stage's loop, or one GEMM a step: the
+  same images, through the doubled batch on full steps and the conditional half alone on the
+  condition cache's others."""
+  from accel.ecar_caches import ECARConditionCache
+  images = {}
+  for rows in (0, 10**6):
+    monkeypatch.setattr(blocks, 'ADALN_AHEAD_MAX_ROWS', rows)
+    sample = ecar.make_sampler(CFG, num_steps=(3, 3, 3), policy=ECARConditionCache(interval=2))
+    images[rows] = sample({'ecar': params}, jax.random.key(1), LABELS, cfg=2.0)[0]
+  np.testing.assert_allclose(images[10**6], images[0], rtol=1e-5, atol=1e-5)
 
 
 def test_no_ar_ablation_conditions_every_stage_on_the_class_only():

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from var_models.mar.gaussian_diffusion import GaussianDiffusion, SampleModelFn, create_diffusion
-from var_models.nn.blocks import concat_dense, merged_dense, merged_modulations, modulate, split_modulations
+from var_models.nn.blocks import (adaln_ahead_pays, concat_dense, merged_dense, merged_modulations, modulate,
+                                  split_modulations)
 from var_models.nn.timestep import TimestepEmbedder
 
 Array = jax.Array
@@ -228,18 +229,11 @@ def diffloss_loss(net: SimpleMLPAdaLN, params, target: Array, z: Array, mask: Op
   return jnp.sum(loss * mask) / jnp.sum(mask)
 
 
-# Rows up to which a sampling loop computes every step's adaLN outputs before it starts
-# (`SimpleMLPAdaLN.adaln_outputs`): a few rows make the per-step GEMM a pass over its weights, most
-# of the head's bytes. More rows make it a GEMM that pays for itself, and the outputs of all steps
-# (steps x rows x (3 depth + 2) width) would grow to gigabytes.
-ADALN_AHEAD_MAX_ROWS = 64
-
-
 def adaln_ahead(net: SimpleMLPAdaLN, params, z: Array, adaln: tuple[Array, Array], diffusion: GaussianDiffusion,
                 steps: Optional[Sequence[int]] = None) -> Optional[Array]:
   """The merged adaLN outputs of the loop steps `steps` (default: all; loop step i is t = T-1-i) on
-  the rows z [N, Cz] -> [len(steps), N, sum], or None where N > ADALN_AHEAD_MAX_ROWS."""
-  if z.shape[0] > ADALN_AHEAD_MAX_ROWS:
+  the rows z [N, Cz] -> [len(steps), N, sum], or None where that does not pay (`adaln_ahead_pays`)."""
+  if not adaln_ahead_pays(z.shape[0]):
     return None
   steps = range(diffusion.num_timesteps) if steps is None else steps
   t = diffusion.model_timesteps(jnp.asarray([diffusion.num_timesteps - 1 - i for i in steps], jnp.int32))

@@ -171,6 +171,20 @@ def merged_dense(y: Array, merged: tuple[Array, Array], dtype) -> Array:
   return jnp.dot(nn.silu(y).astype(dtype), kernel.astype(dtype)) + bias.astype(dtype)
 
 
+# Rows up to which a sampling loop computes every step's adaLN outputs before it starts (MAR's
+# diffusion head, E-CAR's flow denoisers). A GEMM on r rows does about r FLOPs per weight byte, so
+# below a GPU's ridge point (~150 FLOP/B on an A100, ~200-300 on an H100 / H200, bf16) the per-step
+# adaLN GEMM is a pass over its weights, the largest share of a denoiser's bytes, and one GEMM of
+# every step's rows reads them once. The outputs of all steps (steps x rows x the merged width) are
+# ~1.5 GB at 128 rows for MAR-H's head and E-CAR-L's last stage. Read when a sampler is traced.
+ADALN_AHEAD_MAX_ROWS = 128
+
+
+def adaln_ahead_pays(rows: int) -> bool:
+  """Whether a loop whose denoiser calls run on `rows` rows computes its adaLN outputs ahead."""
+  return rows <= ADALN_AHEAD_MAX_ROWS
+
+
 def split_modulations(out: Array, width: int, count: int) -> list[Array]:
   """`merged_dense`'s output [..., sum] -> its layers' outputs: `count` of `width` each, then the
   last layer's."""
