@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from configs import var as var_configs
-from conftest import TEST_XLA_FLAGS
+from conftest import JOB_XLA_FLAGS, TEST_XLA_FLAGS
 from imagenet_tars import write_tars
-from train import launch
+from train import builtin_classifier, launch
 from train.builtin_classifier import BuiltinMetrics
 from train.summaries import read_scalars
 from train.tasks import random_stand_in
@@ -32,18 +32,27 @@ from var_models.var import from_config as var_from_config
 STEPS = 12
 SMALL = ['--config.train.batch_size=8', '--config.train.log_every=1', '--config.train.ckpt_every=1000',
          '--config.train.sample_classes=0', '--config.train.mesh_fsdp=2', '--config.data.threads=1']
-# The tiny E-CAR at one AR and one denoiser block per stage: what is compared does not depend on
-# depth, and each process compiles about a third faster.
-ECAR_MODEL = ['--config=configs/ecar.py:tiny', '--config.model.ar_depth=1', '--config.model.den_depth=1']
+# The tiny E-CAR at one AR and one denoiser block per stage, on 2 stages at 16 px (at its width, so that
+# fsdp still splits its matrices): what is compared does not depend on depth or on the number of stages,
+# and each process compiles and steps faster.
+ECAR_MODEL = ['--config=configs/ecar.py:tiny', '--config.model.ar_depth=1', '--config.model.den_depth=1',
+              '--config.image_size=16', '--config.model.num_stages=2']
 ECAR = [*ECAR_MODEL, f'--config.train.steps={STEPS}', '--config.data.workers=1', *SMALL]
-VAR = ['--config=configs/var.py:tiny', '--config.train.steps=3', *SMALL]
+# MAR's tiny config at 4 px (2 x 2 tokens), a VAE of one downsampling, one encoder and one head block: the
+# cache's parts and the losses compared do not depend on the model's size.
+MAR_MODEL = ['--config.model.img_size=4', '--config.model.vae_stride=2', '--config.vae.ch_mult=(1,1)',
+             '--config.model.encoder_depth=1', '--config.model.diffloss_d=1', '--config.sample.num_iter=2']
+# The tiny VAR at one block: what is checked does not depend on depth.
+VAR = ['--config=configs/var.py:tiny', '--config.model.depth=1', '--config.train.steps=3', *SMALL]
 
 
-def _job(workdir, args, n=2, launch_env=launch.coordinator_env, per_process=None, run=('-m', 'train')):
+def _job(workdir, args, n=2, launch_env=launch.coordinator_env, per_process=None, run=('-m', 'train'),
+         xla_flags=JOB_XLA_FLAGS):
   """n processes of `python *run *args *per_process[i]` with 4 / n CPU devices each (default per-process
-  arguments: --workdir=workdir); logs in workdir/logs."""
+  arguments: --workdir=workdir); logs in workdir/logs. xla_flags: JOB_XLA_FLAGS (faster compiles) where the
+  test compares the job with other jobs alone, TEST_XLA_FLAGS where it also compares it with what it computes."""
   per_process = per_process or [[f'--workdir={workdir}']] * n
-  env = {'JAX_PLATFORMS': 'cpu', 'JAX_NUM_CPU_DEVICES': str(4 // n), 'XLA_FLAGS': TEST_XLA_FLAGS}
+  env = {'JAX_PLATFORMS': 'cpu', 'JAX_NUM_CPU_DEVICES': str(4 // n), 'XLA_FLAGS': xla_flags}
   return launch.Job(workdir / 'logs', [[*run, *args, *extra] for extra in per_process], [env] * n, launch_env)
 
 
@@ -180,7 +189,7 @@ def test_tiny_var_on_two_processes_scores_its_samples_on_process_0_while_the_oth
 
 def test_mar_on_cached_latents_encodes_a_part_per_process_and_takes_the_steps_of_one(tmp_path):
   mar = ['--config=configs/mar.py:tiny', '--config.train.steps=3', *SMALL, '--config.data.cache_latents=True',
-         '--config.data.num_examples=24']
+         '--config.data.num_examples=24', *MAR_MODEL]
   _job(tmp_path / 'one', mar, n=1).succeed(timeout=300)
   _job(tmp_path / 'two', mar).succeed(timeout=300)
   [cache] = (tmp_path / 'two' / 'latents').iterdir()
@@ -201,17 +210,22 @@ def test_process_0_prepares_imagenet_from_the_tars_while_the_other_waits(tmp_pat
   assert sorted(_losses(tmp_path / 'run')) == [1, 2, 3]
 
 
-def test_evaluate_on_two_processes_writes_each_shard_once_as_one_process_does(tmp_path):
+def test_evaluate_on_two_processes_writes_each_shard_once_as_one_process_does(tmp_path, monkeypatch):
   """Process 0 samples call 0, process 1 calls 1 and 2, then process 0 alone scores them all. The weights:
-  random, in a checkpoint (each process's own random init would compile the initialisers)."""
+  random, in a checkpoint (each process's own random init would compile the initialisers). The built-in
+  classifier: trained for 20 steps, saved as the full training's in the checkpoint's folder, where
+  evaluate loads it (the full training would take half the test; the scores are compared, not judged)."""
   var_cfg, vq_cfg = var_from_config.var_configs(var_configs.get_config('tiny'))
   abstract = jax.eval_shape(lambda k: var_from_config.init_var_params(var_cfg, vq_cfg, k), jax.random.key(0))
   checkpoint.save_params(str(tmp_path / 'ckpt'), random_stand_in(abstract, seed=0), {'model': 'random'})
+  train = builtin_classifier.train_classifier
+  monkeypatch.setattr(builtin_classifier, 'train_classifier', lambda size, seed, steps: train(size, seed, 20))
+  builtin = BuiltinMetrics.load_or_train(str(tmp_path / 'ckpt'), 32, 10)
   args = ['--config=configs/var.py:tiny', f'--ckpt={tmp_path / "ckpt"}', '--per_class=2', '--batch_size=8', '--seed=3']
   outs = {n: tmp_path / f'{n}' / 'out' for n in (1, 2)}
-  _job(tmp_path / '1', [*args, '--nobuiltin'], n=1, per_process=[[f'--out={outs[1]}']],
-       run=('-m', 'train.evaluate')).succeed(timeout=300)
-  _job(tmp_path / '2', args, per_process=[[f'--out={outs[2]}']] * 2, run=('-m', 'train.evaluate')).succeed(timeout=300)
+  evaluate = dict(run=('-m', 'train.evaluate'), xla_flags=TEST_XLA_FLAGS)   # the scores are recomputed here
+  _job(tmp_path / '1', [*args, '--nobuiltin'], n=1, per_process=[[f'--out={outs[1]}']], **evaluate).succeed(timeout=300)
+  _job(tmp_path / '2', args, per_process=[[f'--out={outs[2]}']] * 2, **evaluate).succeed(timeout=300)
   shards = sorted(n for n in os.listdir(outs[2] / 'cfg_1.5') if n.endswith('.npz'))
   assert shards == ['samples_0_00000.npz', 'samples_1_00001.npz', 'samples_1_00002.npz']
   images = []
@@ -220,8 +234,7 @@ def test_evaluate_on_two_processes_writes_each_shard_once_as_one_process_does(tm
       np.testing.assert_array_equal(two['arr_0'], one['arr_0'])
       np.testing.assert_array_equal(two['arr_1'], one['arr_1'])
       images.append(one['arr_0'])
-  scores = BuiltinMetrics.load_or_train(str(outs[2]), 32, 10).evaluate(
-      np.concatenate(images) / np.float32(255), np.repeat(np.arange(10), 2))
+  scores = builtin.evaluate(np.concatenate(images) / np.float32(255), np.repeat(np.arange(10), 2))
   row = json.loads((outs[2] / 'results.json').read_text())['cfg_1.5']
   assert row['images'] == 20 and row['class_accuracy'] == scores['class_accuracy']
   np.testing.assert_allclose(row['frechet_distance'], scores['frechet_distance'], rtol=1e-6)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import TEST_XLA_FLAGS
+from conftest import JOB_XLA_FLAGS, TEST_XLA_FLAGS
 from test_train_loop import toy_config, toy_family  # noqa: F401  (the fixture registers the toy family)
 from train import mesh as mesh_lib, multihost
 from train.trainer import Trainer
@@ -87,8 +87,8 @@ print(json.dumps(out))
 '''
 
 
-def run_on_cpu_devices(script: str, devices: int) -> subprocess.Popen:
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}',
+def run_on_cpu_devices(script: str, devices: int, xla_flags: str = TEST_XLA_FLAGS) -> subprocess.Popen:
+  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} {xla_flags}',
              JAX_PLATFORMS='cpu', PYTHONPATH=os.pathsep.join([REPO, os.environ.get('PYTHONPATH', '')]))
   return subprocess.Popen([sys.executable, '-c', script], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
@@ -197,5 +197,5 @@ def test_a_data_parallel_step_needs_per_device_what_one_device_needs_for_its_row
   """Two devices at twice the batch hold each row's activations once: nothing of the step runs on
   the whole batch on every device (MAR's tiled DiffLoss rows once did: 1.28x the temporaries)."""
   script = STEP_TEMPORARIES.format(tests=TESTS, per_device=8, workdir=str(tmp_path))
-  for family, (one, two) in last_json_line(run_on_cpu_devices(script, 2)).items():
+  for family, (one, two) in last_json_line(run_on_cpu_devices(script, 2, JOB_XLA_FLAGS)).items():
     assert two <= 1.1 * one, (family, one, two)
