@@ -35,6 +35,19 @@ def pytest_unconfigure(config):
     shutil.rmtree(config.xla_cache, ignore_errors=True)
 
 
+def random_tiny_var_checkpoint(path: str) -> str:
+  """A checkpoint at `path` of configs/var.py:tiny with random weights drawn on its parameter shapes
+  without compiling its initialisers (`random_stand_in`), for runs that load a VAR rather than train one."""
+  from configs import var as var_configs
+  from train.tasks import random_stand_in
+  from var_models import checkpoint
+  from var_models.var import from_config
+  var_cfg, vq_cfg = from_config.var_configs(var_configs.get_config('tiny'))
+  abstract = jax.eval_shape(lambda k: from_config.init_var_params(var_cfg, vq_cfg, k), jax.random.key(0))
+  checkpoint.save_params(path, random_stand_in(abstract, seed=0), {'model': 'random'})
+  return path
+
+
 @pytest.fixture(scope='session')
 def tiny_var():
   """(var_cfg, vq_cfg, params) of a 2-block VAR on 4 scales with a 64-code VQVAE."""

@@ -12,11 +12,8 @@ import numpy as np
 import pytest
 from absl import flags
 
-from configs import var as var_configs
+from conftest import random_tiny_var_checkpoint
 from train import builtin_classifier, evaluate
-from train.tasks import random_stand_in
-from var_models import checkpoint
-from var_models.var import from_config as var_from_config
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'var.py') + ':tiny'
 CLASSES, PER_CLASS, BATCH = 10, 2, 8   # 20 images: calls of 8, 8 and 4 (padded)
@@ -27,10 +24,7 @@ def run_evaluate(tmp_path_factory):
   """run(out, *flags) -> results.json: main() in this process (so tests can monkeypatch), flags reset to
   their defaults before and after, on a checkpoint of the tiny VAR with random weights drawn without compiling its
   initialisers (each run's own random init would compile them again: ~6 s a run)."""
-  var_cfg, vq_cfg = var_from_config.var_configs(var_configs.get_config('tiny'))
-  abstract = jax.eval_shape(lambda k: var_from_config.init_var_params(var_cfg, vq_cfg, k), jax.random.key(0))
-  ckpt = str(tmp_path_factory.mktemp('ckpt'))
-  checkpoint.save_params(ckpt, random_stand_in(abstract, seed=0), {'model': 'random'})
+  ckpt = random_tiny_var_checkpoint(str(tmp_path_factory.mktemp('ckpt')))
 
   def run(out, *args):
     flags.FLAGS.unparse_flags()

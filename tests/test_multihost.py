@@ -15,19 +15,14 @@ import shutil
 import signal
 import time
 
-import jax
 import numpy as np
 import pytest
 
-from configs import var as var_configs
-from conftest import JOB_XLA_FLAGS, TEST_XLA_FLAGS
+from conftest import JOB_XLA_FLAGS, TEST_XLA_FLAGS, random_tiny_var_checkpoint
 from imagenet_tars import write_tars
 from train import builtin_classifier, launch
 from train.builtin_classifier import BuiltinMetrics
 from train.summaries import read_scalars
-from train.tasks import random_stand_in
-from var_models import checkpoint
-from var_models.var import from_config as var_from_config
 
 STEPS = 12
 SMALL = ['--config.train.batch_size=8', '--config.train.log_every=1', '--config.train.ckpt_every=1000',
@@ -215,9 +210,7 @@ def test_evaluate_on_two_processes_writes_each_shard_once_as_one_process_does(tm
   random, in a checkpoint (each process's own random init would compile the initialisers). The built-in
   classifier: trained for 20 steps, saved as the full training's in the checkpoint's folder, where
   evaluate loads it (the full training would take half the test; the scores are compared, not judged)."""
-  var_cfg, vq_cfg = var_from_config.var_configs(var_configs.get_config('tiny'))
-  abstract = jax.eval_shape(lambda k: var_from_config.init_var_params(var_cfg, vq_cfg, k), jax.random.key(0))
-  checkpoint.save_params(str(tmp_path / 'ckpt'), random_stand_in(abstract, seed=0), {'model': 'random'})
+  random_tiny_var_checkpoint(str(tmp_path / 'ckpt'))
   train = builtin_classifier.train_classifier
   monkeypatch.setattr(builtin_classifier, 'train_classifier', lambda size, seed, steps: train(size, seed, 20))
   builtin = BuiltinMetrics.load_or_train(str(tmp_path / 'ckpt'), 32, 10)
