@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from accel.timing import timed_calls
 from pallas_kernels import reference
 from pallas_kernels.diffloss_blocks_mgpu import diffloss_blocks
 
@@ -59,13 +60,8 @@ def loop(fn, steps):
 
 
 def timed(f, *a, iters=10):
-  jax.block_until_ready(f(*a))
-  ts = []
-  for _ in range(iters):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*a))
-    ts.append(time.perf_counter() - t)
-  return float(np.median(ts))
+  """Median seconds of f(*a) over `iters` calls after one."""
+  return float(np.median([s for _, s in timed_calls(f, [a] * (iters + 1), warmup=1)]))
 
 
 def main():

@@ -39,10 +39,11 @@ MAX_ROWS = 32                # rows a call takes (padded to 16 or 32: wgmma's N)
 WGMMA = plgpu.Layout.WGMMA
 
 
-def _tiled(rows_padded: int):
-  """Shared-memory transforms of a [K, Rp] bf16 operand (and of the weights' tiles beside it:
-  wgmma's A and B take one swizzle)."""
-  return (plgpu.TilingTransform((8, rows_padded)), plgpu.SwizzleTransform(2 * rows_padded))
+def _tiled(rows_padded: int, itemsize: int = 2):
+  """Shared-memory transforms of a [K, Rp] tile of `itemsize`-byte elements: rows of Rp elements
+  swizzled whole (bf16 operands, and the weights' tiles beside them: wgmma's A and B take one
+  swizzle; float32 activations)."""
+  return (plgpu.TilingTransform((8, rows_padded)), plgpu.SwizzleTransform(itemsize * rows_padded))
 
 
 def splits_for(width: int, num_sms: int) -> int:
@@ -75,11 +76,6 @@ def _load(ref, layout, optimized=False):
   return plgpu.load(ref, (), layout=layout, optimized=optimized)
 
 
-def _f32_tiled(rows_padded: int):
-  """Shared-memory transforms of a [64, Rp] float32 tile."""
-  return (plgpu.TilingTransform((8, rows_padded)), plgpu.SwizzleTransform(4 * rows_padded))
-
-
 def _kernel(x0_ref, mods_ref, w1_ref, b1_ref, w2_ref, b2_ref, g_ref, be_ref,
             x_ref, p1_ref, p2_ref, stats_ref, xm_smem, *, splits: int, eps: float):
   c, rp = x_ref.shape
@@ -94,10 +90,9 @@ def _kernel(x0_ref, mods_ref, w1_ref, b1_ref, w2_ref, b2_ref, g_ref, be_ref,
   rows = lambda v: lax.broadcast_in_dim(v, (TILE, rp), [1])
   channels = lambda v: lax.broadcast_in_dim(v, (TILE, rp), [0])
   gmem_chunk = lambda ref, c0: _load(ref.at[pl.ds(c0, TILE), :], WGMMA)
-  gmem_channels = lambda ref, c0: channels(_load(ref.at[pl.ds(c0, TILE)], WGMMA.reduce(1)))
+  vector = lambda ref: channels(_load(ref, WGMMA.reduce(1)))   # a [64] ref along the channels
   tile = lambda smem: _load(smem, WGMMA, optimized=True)
-  smem_channels = lambda smem: channels(_load(smem, WGMMA.reduce(1)))
-  tile_spec = plgpu.BlockSpec((TILE, rp), lambda k: (k, 0), transforms=_f32_tiled(rp))
+  tile_spec = plgpu.BlockSpec((TILE, rp), lambda k: (k, 0), transforms=_tiled(rp, 4))
   mods_spec = plgpu.BlockSpec((TILE, rp), lambda k: (k, 0), transforms=_tiled(rp))
   w_bytes, vector_bytes = TILE * TILE * 2, TILE * 4
   vector_spec = plgpu.BlockSpec((TILE,), lambda k: (k,))
@@ -148,7 +143,7 @@ def _kernel(x0_ref, mods_ref, w1_ref, b1_ref, w2_ref, b2_ref, g_ref, be_ref,
     mods = mods_ref.at[pl.ds(i * 3 * c, 3 * c)]
 
     def modulated(x, shift, scale, g, be):
-      h = (tile(x) - mean) * rstd * smem_channels(g) + smem_channels(be)
+      h = (tile(x) - mean) * rstd * vector(g) + vector(be)
       return h * (1.0 + tile(scale).astype(jnp.float32)) + tile(shift).astype(jnp.float32)
 
     gemm(w1_ref.at[i], p1_ref, modulated, [tile_spec] + [mods_spec] * 2 + [vector_spec] * 2,
@@ -159,12 +154,12 @@ def _kernel(x0_ref, mods_ref, w1_ref, b1_ref, w2_ref, b2_ref, g_ref, be_ref,
 
     # B: fc2's partial sums of this K-slice of SiLU(fc1's output).
     def activated(p1, b1):
-      h = smem_channels(b1)
+      h = vector(b1)
       for t in range(splits):
         h = h + tile(p1.at[t])
       return h / (1.0 + jnp.exp(-h))
 
-    p1_spec = plgpu.BlockSpec((splits, TILE, rp), lambda k: (0, k, 0), transforms=_f32_tiled(rp))
+    p1_spec = plgpu.BlockSpec((splits, TILE, rp), lambda k: (0, k, 0), transforms=_tiled(rp, 4))
     gemm(w2_ref.at[i], p2_ref, activated, [p1_spec, vector_spec],
          [p1_ref.at[:, pl.ds(k0, ks)], b1_ref.at[i, pl.ds(k0, ks)]],
          w_bytes + splits * TILE * rp * 4 + vector_bytes)
@@ -175,7 +170,7 @@ def _kernel(x0_ref, mods_ref, w1_ref, b1_ref, w2_ref, b2_ref, g_ref, be_ref,
     def _():
       parts = [gmem_chunk(p2_ref.at[t], n0) for t in range(splits)]
       x, gate = gmem_chunk(x_ref, n0), gmem_chunk(mods, 2 * c + n0).astype(jnp.float32)
-      y = sum(parts[1:], parts[0]) + gmem_channels(b2_ref.at[i], n0)
+      y = sum(parts[1:], parts[0]) + vector(b2_ref.at[i, pl.ds(n0, TILE)])
       owner_writes(x + gate * y)
     barrier(3 * i + 3)
     return carry
@@ -211,12 +206,11 @@ def diffloss_blocks(x: jax.Array, mods: jax.Array, w1: jax.Array, b1: jax.Array,
   if reason:
     raise ValueError(reason)
   (r, c), depth = x.shape, w1.shape[0]
-  want = {'mods': (r, 3 * depth * c), 'w2': (depth, c, c), 'b1': (depth, c), 'b2': (depth, c),
-          'ln_scale': (depth, c), 'ln_bias': (depth, c)}
-  got = {'mods': mods.shape, 'w2': w2.shape, 'b1': b1.shape, 'b2': b2.shape, 'ln_scale': ln_scale.shape,
-         'ln_bias': ln_bias.shape}
-  bad = [f'{k} {got[k]} (want {v})' for k, v in want.items()
-         if got[k] != v and not (k == 'mods' and got[k][0] == r and got[k][1] >= v[1])]
+  want = {'w2': (depth, c, c), 'b1': (depth, c), 'b2': (depth, c), 'ln_scale': (depth, c), 'ln_bias': (depth, c)}
+  got = {'w2': w2.shape, 'b1': b1.shape, 'b2': b2.shape, 'ln_scale': ln_scale.shape, 'ln_bias': ln_bias.shape}
+  bad = [f'{k} {got[k]} (want {v})' for k, v in want.items() if got[k] != v]
+  if mods.shape[0] != r or mods.shape[1] < 3 * depth * c:
+    bad.insert(0, f'mods {mods.shape} (want ({r}, >= {3 * depth * c}))')
   if bad:
     raise ValueError(f'the fused DiffLoss blocks on x {x.shape} and w1 {w1.shape} got ' + ', '.join(bad))
   rp = 16 if r <= 16 else 32
