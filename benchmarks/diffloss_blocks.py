@@ -6,10 +6,8 @@
 Per row count: the kernel's first call (compile included), its relative L2 error against the
 float32 reference beside that of XLA's bf16 blocks, whether two calls agree bit for bit, and
 us per step of a 100-step `fori_loop` (each step the 12 blocks, then h * 0.5 + x), medians of 10
-loops. The XLA column slices each block's weights out of the [12, C, C] stacks the kernel takes,
-and XLA copies them out of the stack at every step (MemcpyD2D in the profile): it is slower than
-the head's own path (separate weights per block, ~12 us a block at 8 rows, RESULTS.md "MAR-H's
-head step at batch 1, profiled").
+loops. The XLA column runs flax's `ResBlock`s in bf16 with each block's weights a separate array,
+as MAR's head runs them.
 """
 import os
 import sys
@@ -23,31 +21,23 @@ from jax import lax
 from accel.timing import timed_calls
 from pallas_kernels import reference
 from pallas_kernels.diffloss_blocks_mgpu import diffloss_blocks
+from var_models.mar.diffloss import ResBlock
 
 
-def inputs(r, c, d, seed=0):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 9)
-  n = lambda k, s, sc: (jax.random.normal(k, s, jnp.float32) * sc)
-  return (n(ks[0], (r, c), 1.0).astype(jnp.bfloat16), n(ks[1], (r, 3 * d * c + 2 * c), 0.3).astype(jnp.bfloat16),
-          n(ks[2], (d, c, c), c ** -0.5).astype(jnp.bfloat16), n(ks[3], (d, c), 0.1),
-          n(ks[4], (d, c, c), c ** -0.5).astype(jnp.bfloat16), n(ks[5], (d, c), 0.1),
-          1.0 + n(ks[6], (d, c), 0.1), n(ks[7], (d, c), 0.1))
+def block_params(w1, b1, w2, b2, g, be):
+  """Each block's flax parameters, separate arrays: Dense weights in bf16, LayerNorm in float32."""
+  bf16 = lambda a: jnp.array(a, jnp.bfloat16)
+  return [{'in_ln': {'scale': jnp.array(g[i]), 'bias': jnp.array(be[i])},
+           'mlp_0': {'kernel': bf16(w1[i]), 'bias': bf16(b1[i])},
+           'mlp_2': {'kernel': bf16(w2[i]), 'bias': bf16(b2[i])}} for i in range(w1.shape[0])]
 
 
-def xla_blocks(x, mods, w1, b1, w2, b2, g, be):
-  """The blocks in bf16 as flax's `ResBlock` computes them, weights sliced from the stacks."""
+def xla_blocks(x, mods, params):
+  """The blocks as MAR's head runs them: flax's `ResBlock` in bf16."""
   c = x.shape[-1]
-  h = x
-  for i in range(w1.shape[0]):
-    shift, scale, gate = jnp.split(mods[:, 3 * i * c:3 * (i + 1) * c], 3, axis=-1)
-    hf = h.astype(jnp.float32)
-    mean = hf.mean(-1, keepdims=True)
-    var = ((hf - mean) ** 2).mean(-1, keepdims=True)
-    y = ((hf - mean) * lax.rsqrt(var + 1e-6) * g[i] + be[i]).astype(jnp.bfloat16)
-    y = y * (1 + scale) + shift
-    y = jax.nn.silu(y @ w1[i] + b1[i].astype(jnp.bfloat16)) @ w2[i] + b2[i].astype(jnp.bfloat16)
-    h = h + gate * y
-  return h
+  for i, p in enumerate(params):
+    x = ResBlock(c, dtype=jnp.bfloat16).apply({'params': p}, x, None, mods[:, 3 * i * c:3 * (i + 1) * c])
+  return x
 
 
 def loop(fn, steps):
@@ -69,12 +59,14 @@ def main():
 
   rows = [int(v) for v in sys.argv[1].split(',')]
   for r in rows:
-    a = inputs(r, c, d)
+    a = tuple(v.astype(jnp.bfloat16) if i < 2 else v
+              for i, v in enumerate(reference.diffloss_blocks_inputs(r, c, d)))
+    xa = (a[0], a[1], block_params(*a[2:]))
     t0 = time.perf_counter()
     got = jax.block_until_ready(diffloss_blocks(*a))
     print(f'rows {r}: first call {time.perf_counter() - t0:.1f} s', flush=True)
     want = reference.diffloss_blocks(*a)
-    xla = xla_blocks(*a)
+    xla = xla_blocks(*xa)
     rel = lambda u: float(jnp.linalg.norm(u.astype(jnp.float32) - want.astype(jnp.float32)) /
                           jnp.linalg.norm(want.astype(jnp.float32)))
     print(f'  rel L2 vs float32 reference: kernel {rel(got):.2e}, XLA bf16 {rel(xla):.2e}; '
@@ -83,13 +75,13 @@ def main():
     print(f'  run to run equal: {bool((again == got).all())}', flush=True)
     steps = 100
     tk = timed(loop(diffloss_blocks, steps), *a)
-    tx = timed(loop(xla_blocks, steps), *a)
+    tx = timed(loop(xla_blocks, steps), *xa)
     print(f'  {steps} steps: kernel {tk / steps * 1e6:.1f} us / step, XLA {tx / steps * 1e6:.1f} us / step',
           flush=True)
     if os.environ.get('PROFILE'):
       import timing
-      for name, f in (('kernel', loop(diffloss_blocks, 10)), ('xla', loop(xla_blocks, 10))):
-        ops, busy = timing.top_device_ops(lambda: jax.block_until_ready(f(*a)), f'/tmp/pdb_{name}_{r}', 6)
+      for name, f, args in (('kernel', loop(diffloss_blocks, 10), a), ('xla', loop(xla_blocks, 10), xa)):
+        ops, busy = timing.top_device_ops(lambda: jax.block_until_ready(f(*args)), f'/tmp/pdb_{name}_{r}', 6)
         print(f'  [{name}] busy {busy}; ' + '; '.join(f'{n[:50]} x{k} {ms * 1e3 / k:.2f} us' for _, n, ms, k in ops),
               flush=True)
 

@@ -124,3 +124,16 @@ def diffloss_blocks(x, mods, w1, b1, w2, b2, ln_scale, ln_bias, eps: float = 1e-
     y = jax.nn.silu((y * (1 + scale) + shift) @ w1[i].astype(dt) + b1[i]) @ w2[i].astype(dt) + b2[i]
     h = h + gate * y
   return h.astype(x.dtype)
+
+
+def diffloss_blocks_inputs(rows: int, width: int, depth: int, seed: int = 0, weights=jnp.bfloat16):
+  """Random arguments of `diffloss_blocks` at DiffLoss's scales (unit rows, adaLN outputs of 0.3,
+  Dense kernels of 1 / sqrt(width) in `weights`), for the kernel's tests and benchmark: x [R, C],
+  mods [R, 3 D C + 2 C] (the merged adaLN output with the final layer's columns), w1, b1, w2, b2,
+  ln_scale, ln_bias."""
+  ks = jax.random.split(jax.random.key(seed), 8)
+  normal = lambda k, shape, scale: jax.random.normal(k, shape, jnp.float32) * scale
+  kernel = lambda k: normal(k, (depth, width, width), width ** -0.5).astype(weights)
+  vector = lambda k: normal(k, (depth, width), 0.1)
+  return (normal(ks[0], (rows, width), 1.0), normal(ks[1], (rows, 3 * depth * width + 2 * width), 0.3),
+          kernel(ks[2]), vector(ks[3]), kernel(ks[4]), vector(ks[5]), 1.0 + vector(ks[6]), vector(ks[7]))

@@ -12,17 +12,8 @@ from pallas_kernels.dispatch import is_hopper
 from var_models.mar.diffloss import ResBlock
 
 
-def _inputs(rows, width, depth, seed=0, weights=jnp.bfloat16):
-  ks = jax.random.split(jax.random.key(seed), 8)
-  normal = lambda k, shape, scale: jax.random.normal(k, shape, jnp.float32) * scale
-  return (normal(ks[0], (rows, width), 1.0), normal(ks[1], (rows, 3 * depth * width + 2 * width), 0.3),
-          normal(ks[2], (depth, width, width), width ** -0.5).astype(weights), normal(ks[3], (depth, width), 0.1),
-          normal(ks[4], (depth, width, width), width ** -0.5).astype(weights), normal(ks[5], (depth, width), 0.1),
-          1.0 + normal(ks[6], (depth, width), 0.1), normal(ks[7], (depth, width), 0.1))
-
-
 def test_reference_equals_the_flax_res_blocks():
-  x, mods, w1, b1, w2, b2, g, be = _inputs(5, 32, 3, weights=jnp.float32)
+  x, mods, w1, b1, w2, b2, g, be = reference.diffloss_blocks_inputs(5, 32, 3, weights=jnp.float32)
   h = x
   for i in range(3):
     params = {'in_ln': {'scale': g[i], 'bias': be[i]}, 'mlp_0': {'kernel': w1[i], 'bias': b1[i]},
@@ -33,7 +24,7 @@ def test_reference_equals_the_flax_res_blocks():
 
 
 def test_bad_inputs_are_named_before_compiling():
-  x, mods, w1, b1, w2, b2, g, be = _inputs(8, 128, 2)
+  x, mods, w1, b1, w2, b2, g, be = reference.diffloss_blocks_inputs(8, 128, 2)
   assert 'Hopper' in unsupported(x, w1, 0)
   assert 'at most 32 rows' in unsupported(jnp.zeros((40, 128)), w1, 132)
   assert 'multiple of 64' in unsupported(jnp.zeros((8, 96)), jnp.zeros((2, 96, 96), jnp.bfloat16), 132)
@@ -52,7 +43,7 @@ def test_bad_inputs_are_named_before_compiling():
 def test_kernel_lowers_for_cuda_at_mar_h_width(rows):
   """Mosaic GPU's lowering (layouts, shared memory, barriers) runs without a GPU: at MAR-H's width
   on 132 SMs (an H100 / H200), two blocks."""
-  args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _inputs(rows, 1536, 2)]
+  args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in reference.diffloss_blocks_inputs(rows, 1536, 2)]
   lowered = diffloss_blocks.trace(*args, num_sms=132).lower(lowering_platforms=('cuda',))
   assert 'mosaic_gpu' in lowered.as_text()
 
@@ -60,7 +51,7 @@ def test_kernel_lowers_for_cuda_at_mar_h_width(rows):
 @pytest.mark.skipif(not is_hopper(), reason='the Mosaic GPU kernel runs on Hopper GPUs only')
 @pytest.mark.parametrize('rows', [2, 8, 16, 28])
 def test_kernel_matches_the_reference_on_random_inputs_every_run(rows):
-  args = _inputs(rows, 1536, 3, seed=rows)
+  args = reference.diffloss_blocks_inputs(rows, 1536, 3, seed=rows)
   want = np.asarray(reference.diffloss_blocks(*args))
   got = diffloss_blocks(*args)
   rel = np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want)
