@@ -1,17 +1,14 @@
 """pallas_kernels: block-sparse cross-scale attention, gathered-key attention, attention column
 sums per query group, top-k selection, top-k token gather/scatter, dense + GELU, a dense layer
-of weights stacked on a layer axis, MAR's DiffLoss res blocks of one sampling step as one
-persistent kernel (Mosaic GPU; not yet faster than XLA, so no sampler calls it: NOTES.md).
+of weights stacked on a layer axis.
 
 Kernels in Pallas (Triton lowering on NVIDIA GPUs; the block-sparse attention, both
-directions, also in Mosaic GPU on Hopper; dense + GELU and the DiffLoss blocks in Mosaic GPU
-only), their layouts, and the plain-jnp references they fall back to elsewhere. Imports jax
-only.
+directions, also in Mosaic GPU on Hopper; dense + GELU in Mosaic GPU only), their layouts,
+and the plain-jnp references they fall back to elsewhere. Imports jax only.
 NOTES.md beside this file records floors, predictions and measurements.
 """
 from pallas_kernels.column_sums import group_column_sums
 from pallas_kernels.dense_gelu import dense_gelu
-from pallas_kernels.diffloss_blocks_mgpu import diffloss_blocks
 from pallas_kernels.dispatch import IMPLS, override, resolve
 from pallas_kernels.gathered_attention import gathered_attention
 from pallas_kernels.layer_dense import layer_dense
@@ -24,7 +21,7 @@ from pallas_kernels.top_k import top_k_indices
 from pallas_kernels.token_gather import gather_rows, token_scatter, topk_gather
 
 __all__ = [
-    'group_column_sums', 'dense_gelu', 'diffloss_blocks', 'IMPLS', 'override', 'resolve', 'gathered_attention',
+    'group_column_sums', 'dense_gelu', 'IMPLS', 'override', 'resolve', 'gathered_attention',
     'layer_dense', 'BlockLayout', 'default_block', 'dense_layout', 'layout_density',
     'layout_from_mask', 'layout_from_rows', 'level_causal_layout', 'scale_causal_layout',
     'schedule_levels', 'whole_tile_layout',
