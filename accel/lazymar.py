@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from accel.presets import Presets, setting_error
 from var_models.mar.diffloss import HeadCache, HeadHooks
 from var_models.mar.policy import IterInfo, IterPlan, MARPolicy, Site
+from var_models.mar.schedule import merge_sizes
 from var_models.nn import tokens as tok
 from var_models.nn.blocks import BlockHooks
 from var_models.nn.policy import Binding, Halves
@@ -81,23 +82,6 @@ def is_refresh(step: int, start: int, every: int) -> bool:
 def keep_count(length: int, ratio: float, n_now: int, n_prev: int, extra: int) -> int:
   """Decoder positions kept at a cached iteration: max(#now + #prev + extra, int(L * ratio)), at most L."""
   return min(length, max(n_now + n_prev + extra, int(length * ratio)))
-
-
-def merge_sizes(counts: dict[int, int], most: Optional[int]) -> dict[int, int]:
-  """{size: padded size}: the distinct sizes (`counts`: size -> how many iterations have it) in at
-  most `most` groups of consecutive sizes, each padded to its group's largest, with the fewest padded
-  rows in all (sum of count * padding); None: every size its own."""
-  sizes = sorted(counts)
-  if most is None or len(sizes) <= most:
-    return {n: n for n in sizes}
-  waste = lambda i, j: sum(counts[n] * (sizes[j - 1] - n) for n in sizes[i:j])   # sizes[i:j] as one group
-  # best[g][j]: (padded rows, group starts) of sizes[:j] in g groups
-  best = [[(0, ())] + [(math.inf, ())] * len(sizes)]
-  for g in range(1, most + 1):
-    best.append([min(((best[g - 1][i][0] + waste(i, j), best[g - 1][i][1] + (i,)) for i in range(j)),
-                     default=(math.inf, ())) for j in range(len(sizes) + 1)])
-  starts = best[most][len(sizes)][1] + (len(sizes),)
-  return {n: sizes[b - 1] for a, b in zip(starts, starts[1:]) for n in sizes[a:b]}
 
 
 def similarity_scores(v_now: Array, v_prev: Array, zero: Array, eps: float = 1e-8) -> Array:

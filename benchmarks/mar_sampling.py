@@ -9,11 +9,14 @@ memory floor (`floors.py`): the encoder and decoder weights read once per iterat
 diffusion head's once per diffusion step of every iteration, the KL-16 decoder once, in the
 compute dtype, at the HBM bandwidth a copy reaches in the same run. `--adaln_ahead_rows 128,0`
 compiles each sampler twice, side by side: the diffusion head's adaLN outputs of every step
-computed before its loop up to 128 rows (`blocks.ADALN_AHEAD_MAX_ROWS`), and at every step.
+computed before its loop up to 128 rows (`blocks.ADALN_AHEAD_MAX_ROWS`), and at every step;
+`--encoder_sizes 4,none` likewise: the encoder on the known positions at up to 4 lengths, and on
+every position.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import jax
@@ -39,21 +42,23 @@ def weight_reads(params, num_iter: int, steps: int, dtype: str) -> dict:
           'KL-16 decoder': (floors.weight_bytes((vae['decoder'], vae['post_quant_conv']), dtype), 1)}
 
 
-def time_one(make_sampler, params, labels, ahead_rows: int, args, bound, bandwidth, **meta) -> dict:
+def time_one(make_sampler, params, labels, ahead_rows: int, encoder_sizes, args, bound, bandwidth, **meta) -> dict:
   """Compiles and times a new sampler's call on `labels` [B], the head's adaLN outputs computed
-  ahead up to ahead_rows rows (a sampler of its own: each traces once)."""
+  ahead up to ahead_rows rows, the encoder at `encoder_sizes` lengths (a sampler of its own: each
+  traces once)."""
   lab, cfg, temp = jnp.asarray(labels), jnp.float32(args.cfg), jnp.float32(1.0)
   blocks.ADALN_AHEAD_MAX_ROWS = ahead_rows   # read when the sampler is traced
-  sample = make_sampler()
+  sample = make_sampler(encoder_sizes)
   compiled, row = time_compiled(sample.lower(params, jax.random.key(0), labels, cfg=args.cfg),
                                 lambda i: (params, jax.random.key(i), lab, cfg, temp), len(labels), args.warmup,
                                 args.iters)
-  row = dict(**meta, batch=len(labels), adaln_ahead_rows=ahead_rows, steps=args.steps,
+  row = dict(**meta, batch=len(labels), adaln_ahead_rows=ahead_rows, encoder_sizes=encoder_sizes, steps=args.steps,
              floor_ms=bound['seconds'] * 1e3, bandwidth_gb_s=bandwidth / 1e9, **row)
   if args.profile:
     print_top_device_ops(lambda: jax.block_until_ready(compiled(params, jax.random.key(9), lab, cfg, temp)),
                          args.profile)
-  print(f"MAR-{row['size']:5} B={row['batch']:<3} adaLN ahead <= {ahead_rows:3} rows: compile {row['compile_s']:6.1f} s  "
+  print(f"MAR-{row['size']:5} B={row['batch']:<3} adaLN ahead <= {ahead_rows:3} rows, encoder lengths "
+        f"{encoder_sizes or 'all'}: compile {row['compile_s']:6.1f} s  "
         f"median {row['median_ms']:9.1f} ms  per image {row['per_image_ms']:8.2f} ms  [{row['min_ms']:.1f}, "
         f"{row['max_ms']:.1f}]  {row['median_ms'] / row['floor_ms']:.2f}x the floor {row['floor_ms']:.1f} ms", flush=True)
   return row
@@ -74,6 +79,8 @@ def main():
   ap.add_argument('--profile', default='', help='trace one call into this folder; print the top kernels')
   ap.add_argument('--adaln_ahead_rows', default=str(blocks.ADALN_AHEAD_MAX_ROWS),
                   help="rows up to which the head's adaLN outputs are computed before its loop (0: never), one run per value")
+  ap.add_argument('--encoder_sizes', default='4',
+                  help="the encoder's lengths compiled ('none': every position at one length), one run per value")
   ap.add_argument('--copy_bytes', type=int, default=1 << 31, help='size of the copy that measures HBM bandwidth')
   args = compilation_cache.parse_args(ap)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
@@ -87,14 +94,16 @@ def main():
     mar_cfg, vae_cfg = models.mar_configs(config)
     params = models.init_mar_params(mar_cfg, vae_cfg, jax.random.key(0))
     num_iter = min(args.num_iter, mar_cfg.seq_len)
-    make_sampler = lambda: make_mar_sampler(mar_cfg, vae_cfg, num_iter=num_iter, guided=args.cfg != 1.0,
-                                            num_diffusion_steps=args.steps)
+    make_sampler = lambda sizes: make_mar_sampler(mar_cfg, vae_cfg, num_iter=num_iter, guided=args.cfg != 1.0,
+                                                  num_diffusion_steps=args.steps, encoder_sizes=sizes)
     bound = floors.floor(weight_reads(params, num_iter, args.steps, args.dtype), bandwidth)
     print(f'MAR-{size}: {floors.describe(bound, bandwidth)}', flush=True)
     for batch in [int(b) for b in args.batches.split(',')]:
       labels = np.arange(batch, dtype=np.int32) % mar_cfg.class_num
-      for ahead_rows in [int(r) for r in args.adaln_ahead_rows.split(',')]:
-        rows.append(time_one(make_sampler, params, labels, ahead_rows, args, bound, bandwidth, size=size, num_iter=num_iter))
+      for ahead_rows, sizes in itertools.product([int(r) for r in args.adaln_ahead_rows.split(',')],
+                                                 [None if v == 'none' else int(v) for v in args.encoder_sizes.split(',')]):
+        rows.append(time_one(make_sampler, params, labels, ahead_rows, sizes, args, bound, bandwidth, size=size,
+                             num_iter=num_iter))
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(rows, f, indent=1)

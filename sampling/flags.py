@@ -25,8 +25,10 @@ TEMP = flags.DEFINE_float('temperature', None, 'MAR: diffusion temperature')
 SCHEDULE = flags.DEFINE_string('cfg_schedule', None, "MAR: 'linear' or 'constant'")
 STEPS = flags.DEFINE_integer('num_diffusion_steps', None, 'MAR: diffusion steps')
 EULER = flags.DEFINE_integer('num_steps', None, 'E-CAR: Euler steps in all, split over the stages')
+ENCODER_SIZES = flags.DEFINE_integer('encoder_sizes', None, "MAR: the encoder's lengths compiled, the known "
+                                     'positions padded into at most this many (0: every position, one length)')
 
-_FAMILY_FLAGS = {'var': (TOP_K, TOP_P, SCAN), 'mar': (NUM_ITER, TEMP, SCHEDULE, STEPS, SCAN), 'ecar': (EULER,)}
+_FAMILY_FLAGS = {'var': (TOP_K, TOP_P, SCAN), 'mar': (NUM_ITER, TEMP, SCHEDULE, STEPS, SCAN, ENCODER_SIZES), 'ecar': (EULER,)}
 FAMILY_NAMES = {'var': 'VAR', 'mar': 'MAR', 'ecar': 'E-CAR'}
 
 
@@ -64,7 +66,8 @@ def overrides(family: str, cfg) -> dict:
   """The sampling flags given and guidance scale `cfg`, as `sampling.family_from_config` overrides."""
   steps = STEPS if family == 'mar' else EULER
   return dict(cfg=cfg, top_k=TOP_K.value, top_p=TOP_P.value, scan_blocks=SCAN.value, num_iter=NUM_ITER.value,
-              temperature=TEMP.value, cfg_schedule=SCHEDULE.value, num_steps=steps.value)
+              temperature=TEMP.value, cfg_schedule=SCHEDULE.value, num_steps=steps.value,
+              encoder_sizes=ENCODER_SIZES.value)
 
 
 def batch_size(default: int) -> int:

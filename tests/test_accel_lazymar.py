@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from accel.lazymar import (OFFICIAL_RATIOS, LazyMAR, is_refresh, keep_count, kept_positions, merge_sizes,
+from accel.lazymar import (OFFICIAL_RATIOS, LazyMAR, is_refresh, keep_count, kept_positions,
                            similarity_scores)
 from var_models.mar import diffloss
 from var_models.mar import model as mar_lib
@@ -19,7 +19,7 @@ from var_models.mar.gaussian_diffusion import create_diffusion, fold_runs
 from var_models.mar.model import diffloss_net
 from var_models.mar.policy import IterPlan
 from var_models.mar.sampler import make_mar_sampler
-from var_models.mar.schedule import MARSchedule, mask_schedule
+from var_models.mar.schedule import MARSchedule, mask_schedule, merge_sizes
 from var_models.nn import blocks
 from var_models.nn.policy import Binding, Halves
 from test_mar_sampler import LABELS, MAR_CFG, VAE_CFG, _params
@@ -55,6 +55,8 @@ def test_all_caches_record_refreshes_encoder_sets_and_kept_counts(params, baseli
   sample = make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, policy=LazyMAR(**TINY), record=True)
   _, aux = sample(params, jax.random.key(3), LABELS, cfg=3.0)
   it, bound = aux['iterations'], sample.policy.bound
+  # The encoder cache's iterations run the encoder on every position; the others on the known ones.
+  assert [n is None for n in sample.encoder_lengths] == [p.tag is not None for p in sample.plans]
   np.testing.assert_array_equal(it['refresh'], [True, True, True, False, False, True])
   np.testing.assert_array_equal(it['kept'].sum(-1)[:, 0], bound.keep)
   pred = np.asarray(it['pred'])

@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import mar as mar_configs
+from sampling import sampling_from_config
 from train.tasks import random_stand_in
 from var_models.mar import model as mar_lib
 from var_models.mar.diffloss import diffloss_sample
@@ -105,6 +107,25 @@ def test_scan_sampler_equals_mae_dropping_reference():
   assert np.abs(np.asarray(aux['tokens']) - want).max() <= 1e-5 * np.abs(want).max()
 
 
+def test_encoder_on_padded_known_positions_equals_every_position_with_keys_hidden(params):
+  """The gathered encoder, its 5 iterations' lengths padded into 2, against every position with
+  the unknown ones hidden as keys: the same tokens to float32 rounding (relative to their scale)."""
+  make = lambda n: make_mar_sampler(MAR_CFG, VAE_CFG, num_iter=5, guided=True, encoder_sizes=n)
+  gathered, every = make(2), make(None)
+  kept = [MAR_CFG.buffer_size + MAR_CFG.seq_len - int(m) for m in gathered.schedule.mask.masked]
+  assert every.encoder_lengths == (None,) * 5 and make(5).encoder_lengths == tuple(kept)
+  assert len(set(gathered.encoder_lengths)) == 2 and set(make(1).encoder_lengths) == {max(kept)}
+  assert all(k <= l for k, l in zip(kept, gathered.encoder_lengths)) and max(gathered.encoder_lengths) == max(kept)
+  want = np.asarray(every(params, jax.random.key(3), LABELS, cfg=2.0)[1]['tokens'])
+  got = np.asarray(gathered(params, jax.random.key(3), LABELS, cfg=2.0)[1]['tokens'])
+  assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_encoder_sizes_must_be_a_positive_int():
+  with pytest.raises(ValueError, match='encoder_sizes must be None or an int >= 1, got 0'):
+    make_mar_sampler(MAR_CFG, VAE_CFG, num_iter=5, encoder_sizes=0)
+
+
 def test_every_token_is_sampled_and_same_key_gives_same_images(params):
   sample = make_mar_sampler(MAR_CFG, VAE_CFG, num_iter=5, guided=True)
   a, aux = sample(params, jax.random.key(1), LABELS, cfg=2.0, cfg_schedule='constant')
@@ -140,3 +161,10 @@ def test_bad_sampling_arguments_raise_before_compiling(params, kwargs, message):
 def test_num_iter_outside_token_count_is_rejected(num_iter):
   with pytest.raises(ValueError, match='num_iter must be in'):
     make_mar_sampler(MAR_CFG, VAE_CFG, num_iter=num_iter)
+
+
+def test_the_config_and_its_override_choose_the_encoder_lengths():
+  config = mar_configs.get_config('tiny')
+  assert sampling_from_config(config).settings['encoder_sizes'] == 4
+  assert sampling_from_config(config, {'encoder_sizes': 2}).settings['encoder_sizes'] == 2
+  assert sampling_from_config(config, {'encoder_sizes': 0}).settings['encoder_sizes'] is None   # every position

@@ -69,14 +69,15 @@ def test_lazymar_blocks_group_into_runs_around_the_similarity_block():
 
 
 def test_the_scanned_program_holds_one_block_per_run(params):
-  """The baseline's encoder and decoder each one run: one qkv GEMM of each width in the program."""
-  def qkv_dots(scan):
-    lowered = make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, scan_blocks=scan).lower(
+  """The baseline's encoder (at each of its lengths) and decoder each one run: one qkv GEMM of each
+  width in the program per length."""
+  def qkv_dots(scan, sizes):
+    lowered = make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, scan_blocks=scan, encoder_sizes=sizes).lower(
         params, jax.random.key(0), LABELS, cfg=3.0)
     lines = [ln for ln in lowered.as_text().splitlines() if 'stablehlo.dot_general' in ln]
     return [sum(ln.endswith(f'x{3 * w}xf32>') for ln in lines) for w in (CFG.encoder_embed_dim, CFG.decoder_embed_dim)]
-  assert qkv_dots(False) == [CFG.encoder_depth, CFG.decoder_depth]
-  assert qkv_dots(True) == [1, 1]
+  assert qkv_dots(False, 2) == [2 * CFG.encoder_depth, CFG.decoder_depth]
+  assert qkv_dots(True, 2) == [2, 1] and qkv_dots(True, None) == [1, 1]
 
 
 def test_scanning_while_training_is_an_error(params):

@@ -7,7 +7,8 @@ puts `mask_token` at the masked positions and returns the diffusion condition
 z [B, N, Cd] for every position. Dropping masked tokens has two static-shape forms:
   - gathered (`keep_idx` [B, K] given): the encoder runs on exactly the K kept
     positions, in increasing order, as the official boolean indexing does;
-    sampling knows K from its schedule;
+    the sampler knows K from its schedule and pads it to one of a few lengths
+    (the padding hidden as keys and dropped, `var_models.mar.sampler`);
   - key-masked (`keep_idx` None): the encoder runs on all buffer + N positions and
     masked positions are hidden as attention keys, so the kept tokens' outputs equal
     the dropped form's (every other op is per token); the decoder overwrites the

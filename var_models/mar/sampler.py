@@ -19,8 +19,16 @@ Each iteration runs the MAE encoder on the known tokens and the decoder on all
 positions, then the diffusion head samples the tokens the cosine schedule
 predicts at that iteration, in a per-sample random order. Every per-iteration
 count is static, so the iterations are one `lax.scan` over padded shapes:
-  - the encoder masks unknown positions out as keys (the same outputs as MAE's
-    dropping, with one shape for every iteration);
+  - the encoder runs on the buffer and the known positions only, as the official
+    drops the others (`MAR.encode`'s gathered form): their count, static per
+    iteration, is padded up to one of at most `encoder_sizes` lengths
+    (`schedule.merge_sizes`, the fewest padded rows), the padding rows hidden as
+    keys and dropped after. MAR's 64-iteration schedule averages 156 of its 320
+    positions, so this halves the encoder's work against running every position;
+    encoder_sizes=None runs every position, the unknown ones hidden as keys (the
+    same outputs, one shape for every iteration). Where a policy hooks the
+    encoder (LazyMAR's cache), its blocks see every position, the unknown ones
+    hidden as keys;
   - the head samples P = max predicted-per-iteration rows; rows past an
     iteration's count are computed and discarded.
 With guidance the batch is doubled ([cond; uncond(fake class)]), both halves
@@ -49,9 +57,10 @@ import numpy as np
 
 from var_models.mar.diffloss import diffloss_model_fn, diffloss_sample, diffloss_sample_cached, head_adaln
 from var_models.mar.gaussian_diffusion import create_diffusion
-from var_models.mar.model import MAR, MARConfig, diffloss_net, key_mask
+from var_models.mar.model import MAR, MARConfig, diffloss_net, keep_indices, key_mask
 from var_models.mar.policy import BASELINE, IterInfo, IterPlan, MARPolicy, Site, check_plans
-from var_models.mar.schedule import MARSchedule, mask_schedule
+from var_models.mar.schedule import MARSchedule, mask_schedule, merge_sizes
+from var_models.nn import attention as attn_lib
 from var_models.nn.blocks import dense_params_in
 from var_models.nn.checks import check_labels
 from var_models.nn.policy import Binding, Halves
@@ -104,7 +113,8 @@ def _switch(xs, name: str, choices: list, make):
 
 class _MARSampler:
   def __init__(self, mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, num_iter: int, guided: bool,
-               num_diffusion_steps: Optional[int], policy: MARPolicy, record: bool, scan_blocks: bool):
+               num_diffusion_steps: Optional[int], policy: MARPolicy, record: bool, scan_blocks: bool,
+               encoder_sizes: Optional[int]):
     self.mar_cfg, self.guided, self.record, self.scan_blocks = mar_cfg, guided, record, scan_blocks
     self.model, self.vae = MAR(mar_cfg), AutoencoderKL(vae_cfg)
     self.head = diffloss_net(mar_cfg)
@@ -114,6 +124,7 @@ class _MARSampler:
     self.plans = policy.plan(num_iter)
     check_plans(self.plans, num_iter)
     self.head_caches = tuple(policy.head_cache(p) for p in self.plans)
+    self.encoder_lengths = self._encoder_lengths(encoder_sizes)
     self.vae_scale = vae_cfg.scaling_factor
     self._jitted = jax.jit(self._sample, static_argnames=('cfg_schedule',))
 
@@ -154,6 +165,42 @@ class _MARSampler:
                     forced=None if forced is None else jnp.asarray(forced, jnp.float32)),)
     return args, dict(cfg_schedule=cfg_schedule)
 
+  def _encoder_lengths(self, most: Optional[int]) -> tuple[Optional[int], ...]:
+    """Per iteration, the encoder's static length: its buffer + known positions padded by
+    `merge_sizes` into at most `most` lengths, over the iterations whose plan leaves the encoder
+    unhooked; None (every position, the unknown ones hidden as keys) at the others, or with most
+    None."""
+    mc = self.mar_cfg
+    if most is not None and (not isinstance(most, int) or most < 1):
+      raise ValueError(f'encoder_sizes must be None or an int >= 1, got {most!r}')
+    gathered = [most is not None and self.policy.block_hooks(Site(p, 'encoder'), mc.encoder_depth) is None
+                for p in self.plans]
+    kept = [mc.buffer_size + mc.seq_len - int(m) for m in self.schedule.mask.masked]
+    counts = {}
+    for k, g in zip(kept, gathered):
+      counts[k] = counts.get(k, 0) + g
+    padded = merge_sizes({k: c for k, c in counts.items() if c}, most)
+    return tuple(padded[k] if g else None for k, g in zip(kept, gathered))
+
+  def _encode(self, params, stacked, plan: IterPlan, tokens, mask, class_emb, length: Optional[int], state):
+    """The encoder's output as the decoder's input [rows, buffer + N, Cd] (rows = tokens' and
+    mask's [rows, N, D] / [rows, N]) and the policy's state: on `length` gathered positions (the
+    buffer and the known ones first, in order; the rest padding, hidden as keys and dropped), or on
+    every position with length None."""
+    mp, mc = {'params': params['mar']}, self.mar_cfg
+    hooks = self.policy.block_hooks(Site(plan, 'encoder'), mc.encoder_depth)
+    x = self.model.apply(mp, tokens, class_emb, method=MAR.encoder_input)
+    run = functools.partial(self.model.apply, mp, hooks=hooks, state=state, scan=self.scan_blocks,
+                            stacked=stacked.get('encoder'), method=MAR.run_encoder)
+    if length is None:
+      x, state = run(x, key_mask(mc, mask))
+      return self.model.apply(mp, x, mask, method=MAR.decoder_input), state
+    keep = keep_indices(mc, mask, length - mc.buffer_size)
+    valid = jnp.arange(length) < mc.buffer_size + jnp.sum(~mask, axis=1, keepdims=True)
+    x, state = run(jnp.take_along_axis(x, keep[..., None], axis=1), attn_lib.TokenMask(valid[:, None, None, :]))
+    dropped = jnp.where(valid, keep, mc.buffer_size + mc.seq_len)   # out of range: the scatter drops them
+    return self.model.apply(mp, x, None, dropped, method=MAR.decoder_input), state
+
   def _prepared(self, params, heads: list):
     """(params with the blocks' and the head's Dense weights in the compute dtype, the scanned
     blocks' stacks ({} unrolled), {head cache: its `head_adaln`} of the distinct `heads`): made
@@ -166,8 +213,10 @@ class _MARSampler:
   def _sample(self, params, key, labels, cfg, temperature, draws=None, *, cfg_schedule):
     draws = draws or dict(orders=None, noises=None, forced=None)
     mc = self.mar_cfg
-    # The distinct plans' model parts, and the distinct head caches, each traced and compiled once.
+    # The distinct plans' model parts, their encoder at each distinct length, and the distinct head
+    # caches, each traced and compiled once.
     trunks, heads = list(dict.fromkeys(self.plans)), list(dict.fromkeys(self.head_caches))
+    lengths = sorted({n for n in self.encoder_lengths if n is not None})
     params, stacked, adaln = self._prepared(params, heads)
     mp = {'params': params['mar']}
     b, n, d = labels.shape[0], mc.seq_len, mc.token_embed_dim
@@ -188,7 +237,7 @@ class _MARSampler:
       guidance = cfg if cfg_schedule == 'constant' else 1 + (cfg - 1) * (n - xs['mask_len']) / n
       idx = self._pred_positions(order, xs['masked'], xs['n_pred'])
       z, state, record = _switch(xs, 'plan', trunks, lambda plan: functools.partial(
-          self._decode, params, stacked, plan, tokens, state, idx, rank, class_emb, xs))
+          self._decode, params, stacked, plan, lengths, tokens, state, idx, rank, class_emb, xs))
       new = _switch(xs, 'head', heads, lambda cache: functools.partial(
           self._head_sample, params, cache, adaln[cache], jax.random.fold_in(key, xs['i']), xs['noises'], z,
           guidance, temperature)).reshape(idx.shape + (d,))
@@ -198,7 +247,10 @@ class _MARSampler:
       tokens = tokens.at[jnp.arange(b)[:, None], idx].set(used, mode='drop')
       return (tokens, state), (dict(pred=idx, sampled=new, **record) if self.record else None)
 
-    for name, distinct, per_iter in (('plan', trunks, self.plans), ('head', heads, self.head_caches)):
+    # xs['encoder']: the iteration's encoder length among `lengths` (any one where the plan hooks it).
+    at_length = [lengths[0] if e is None else e for e in self.encoder_lengths] if lengths else []
+    for name, distinct, per_iter in (('plan', trunks, self.plans), ('head', heads, self.head_caches),
+                                     ('encoder', lengths, at_length)):
       if len(distinct) > 1:
         per_step[name] = jnp.asarray([distinct.index(p) for p in per_iter], jnp.int32)
     carry = (jnp.zeros((b, n, d), jnp.float32), self.policy.init_state(b))
@@ -210,10 +262,12 @@ class _MARSampler:
       aux['iterations'] = records
     return jnp.clip((images + 1) * 0.5, 0, 1), aux
 
-  def _decode(self, params, stacked, plan: IterPlan, tokens, state, idx, rank, class_emb, xs):
+  def _decode(self, params, stacked, plan: IterPlan, lengths: list, tokens, state, idx, rank, class_emb, xs):
     """An iteration's model part: encode the known tokens, decode all, the head's conditions at the
-    positions idx [B, P] predicted now. tokens [B, N, D]; xs: the iteration's counts (see `_sample`);
-    stacked: `MAR.stacked_blocks` ({} unless the blocks run as a scan).
+    positions idx [B, P] predicted now. lengths: the encoder's distinct lengths (`_encode`), the
+    iteration's xs['encoder'] among them where the plan leaves the encoder unhooked; tokens [B, N,
+    D]; xs: the iteration's counts (see `_sample`); stacked: `MAR.stacked_blocks` ({} unless the
+    blocks run as a scan).
     -> (z [R, Cd] (R = 2BP with guidance: [cond; uncond]), the policy's state, its record)."""
     mp, policy, mc = {'params': params['mar']}, self.policy, self.mar_cfg
     b, n = tokens.shape[:2]
@@ -221,10 +275,10 @@ class _MARSampler:
     state = policy.begin(plan, IterInfo(xs['i'], mask, idx), state)
     rows = 2 * b if self.guided and plan.uncond else b
     t2, m2 = jnp.tile(tokens, (rows // b, 1, 1)), jnp.tile(mask, (rows // b, 1))
-    x = self.model.apply(mp, t2, class_emb[:rows], method=MAR.encoder_input)
-    x, state = self.model.apply(mp, x, key_mask(mc, m2), policy.block_hooks(Site(plan, 'encoder'), mc.encoder_depth),
-                                state, scan=self.scan_blocks, stacked=stacked.get('encoder'), method=MAR.run_encoder)
-    x = self.model.apply(mp, x, m2, method=MAR.decoder_input)
+    encode = lambda length: functools.partial(self._encode, params, stacked, plan, t2, m2, class_emb[:rows], length,
+                                              state)
+    hooked = policy.block_hooks(Site(plan, 'encoder'), mc.encoder_depth) is not None
+    x, state = encode(None)() if hooked or not lengths else _switch(xs, 'encoder', lengths, encode)
     x, state = policy.decoder_input(plan, x, state)
     x, state = self.model.apply(mp, x, policy.block_hooks(Site(plan, 'decoder'), mc.decoder_depth), state,
                                 scan=self.scan_blocks, stacked=stacked.get('decoder'), method=MAR.run_decoder)
@@ -283,12 +337,15 @@ class _MARSampler:
 
 def make_mar_sampler(mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, *, num_iter: int = 64,
                      guided: bool = True, num_diffusion_steps: Optional[int] = None,
-                     policy: Optional[MARPolicy] = None, record: bool = False, scan_blocks: bool = False):
+                     policy: Optional[MARPolicy] = None, record: bool = False, scan_blocks: bool = False,
+                     encoder_sizes: Optional[int] = 4):
   """A pure, jit-compiled MAR sampler `sample(params, key, labels, *, cfg, cfg_schedule,
   temperature, orders, noises, forced_tokens) -> (images, aux)`. `guided` (static) doubles the
   batch for CFG; `policy` chooses what each iteration computes (the baseline: everything);
   `record` adds aux['iterations'] (see the module docstring); `scan_blocks`: the encoder's and
   the decoder's runs of alike blocks (no hooks, or a policy's hooks of one `scan_group`) as one
-  `lax.scan` each (`MAR.run_encoder`): the program holds a block per run, not per block."""
+  `lax.scan` each (`MAR.run_encoder`): the program holds a block per run, not per block;
+  `encoder_sizes`: the encoder's lengths compiled (the known positions padded into at most this
+  many; None: every position at one length, see the module docstring)."""
   return _MARSampler(mar_cfg, vae_cfg, num_iter, guided, num_diffusion_steps, policy or BASELINE, record,
-                     scan_blocks)
+                     scan_blocks, encoder_sizes)

@@ -3,12 +3,14 @@
     schedule = MARSchedule(mask_schedule(cfg.seq_len, num_iter=64), diffusion_steps=100)
 
 `mask_schedule` is the official cosine schedule of `sample_tokens`; `MARSchedule` is the whole
-static schedule a MAR sampler runs, what it binds its policy to (`var_models.nn.policy.Binding`).
+static schedule a MAR sampler runs, what it binds its policy to (`var_models.nn.policy.Binding`);
+`merge_sizes` pads an iteration's static row count to one of a few, so that few shapes compile.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 import numpy as np
 
@@ -39,6 +41,23 @@ def mask_schedule(seq_len: int, num_iter: int) -> MaskSchedule:
     masked -= n_pred
   m, l, n = (np.array(c, np.int32) for c in zip(*rows))
   return MaskSchedule(m, l, n)
+
+
+def merge_sizes(counts: dict[int, int], most: Optional[int]) -> dict[int, int]:
+  """{size: padded size}: the distinct sizes (`counts`: size -> how many iterations have it) in at
+  most `most` groups of consecutive sizes, each padded to its group's largest, with the fewest padded
+  rows in all (sum of count * padding); None: every size its own."""
+  sizes = sorted(counts)
+  if most is None or len(sizes) <= most:
+    return {n: n for n in sizes}
+  waste = lambda i, j: sum(counts[n] * (sizes[j - 1] - n) for n in sizes[i:j])   # sizes[i:j] as one group
+  # best[g][j]: (padded rows, group starts) of sizes[:j] in g groups
+  best = [[(0, ())] + [(math.inf, ())] * len(sizes)]
+  for g in range(1, most + 1):
+    best.append([min(((best[g - 1][i][0] + waste(i, j), best[g - 1][i][1] + (i,)) for i in range(j)),
+                     default=(math.inf, ())) for j in range(len(sizes) + 1)])
+  starts = best[most][len(sizes)][1] + (len(sizes),)
+  return {n: sizes[b - 1] for a, b in zip(starts, starts[1:]) for n in sizes[a:b]}
 
 
 @dataclasses.dataclass(frozen=True)
