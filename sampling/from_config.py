@@ -102,7 +102,7 @@ def _mar(config, o: dict) -> Sampling:
   settings = dict(num_iter=_pick(o, 'num_iter', s.num_iter),
                   num_diffusion_steps=_pick(o, 'num_steps', s.num_diffusion_steps),
                   scan_blocks=_pick(o, 'scan_blocks', s.scan_blocks),
-                  encoder_sizes=_pick(o, 'encoder_sizes', s.get('encoder_sizes', 4)) or None)   # 0: every position
+                  encoder_sizes=_pick(o, 'encoder_sizes', s.encoder_sizes) or None)   # 0: every position
   guided = opts['cfg'] != 1.0
   check_mar_sample_args(mar_cfg, _NO_LABEL, guided=guided, **opts)
   make = lambda policy=None: make_mar_sampler(mar_cfg, vae_cfg, guided=guided, policy=policy, **settings)

@@ -48,6 +48,7 @@ for the head's adaLN once per call, outside the loop.
 """
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Optional
 
@@ -176,19 +177,15 @@ class _MARSampler:
     gathered = [most is not None and self.policy.block_hooks(Site(p, 'encoder'), mc.encoder_depth) is None
                 for p in self.plans]
     kept = [mc.buffer_size + mc.seq_len - int(m) for m in self.schedule.mask.masked]
-    counts = {}
-    for k, g in zip(kept, gathered):
-      counts[k] = counts.get(k, 0) + g
-    padded = merge_sizes({k: c for k, c in counts.items() if c}, most)
+    padded = merge_sizes(collections.Counter(k for k, g in zip(kept, gathered) if g), most)
     return tuple(padded[k] if g else None for k, g in zip(kept, gathered))
 
-  def _encode(self, params, stacked, plan: IterPlan, tokens, mask, class_emb, length: Optional[int], state):
+  def _encode(self, params, stacked, hooks, tokens, mask, class_emb, length: Optional[int], state):
     """The encoder's output as the decoder's input [rows, buffer + N, Cd] (rows = tokens' and
-    mask's [rows, N, D] / [rows, N]) and the policy's state: on `length` gathered positions (the
-    buffer and the known ones first, in order; the rest padding, hidden as keys and dropped), or on
-    every position with length None."""
+    mask's [rows, N, D] / [rows, N]) and the policy's state, through the plan's encoder `hooks`:
+    on `length` gathered positions (the buffer and the known ones first, in order; the rest
+    padding, hidden as keys and dropped), or on every position with length None."""
     mp, mc = {'params': params['mar']}, self.mar_cfg
-    hooks = self.policy.block_hooks(Site(plan, 'encoder'), mc.encoder_depth)
     x = self.model.apply(mp, tokens, class_emb, method=MAR.encoder_input)
     run = functools.partial(self.model.apply, mp, hooks=hooks, state=state, scan=self.scan_blocks,
                             stacked=stacked.get('encoder'), method=MAR.run_encoder)
@@ -275,10 +272,10 @@ class _MARSampler:
     state = policy.begin(plan, IterInfo(xs['i'], mask, idx), state)
     rows = 2 * b if self.guided and plan.uncond else b
     t2, m2 = jnp.tile(tokens, (rows // b, 1, 1)), jnp.tile(mask, (rows // b, 1))
-    encode = lambda length: functools.partial(self._encode, params, stacked, plan, t2, m2, class_emb[:rows], length,
+    hooks = policy.block_hooks(Site(plan, 'encoder'), mc.encoder_depth)
+    encode = lambda length: functools.partial(self._encode, params, stacked, hooks, t2, m2, class_emb[:rows], length,
                                               state)
-    hooked = policy.block_hooks(Site(plan, 'encoder'), mc.encoder_depth) is not None
-    x, state = encode(None)() if hooked or not lengths else _switch(xs, 'encoder', lengths, encode)
+    x, state = encode(None)() if hooks is not None or not lengths else _switch(xs, 'encoder', lengths, encode)
     x, state = policy.decoder_input(plan, x, state)
     x, state = self.model.apply(mp, x, policy.block_hooks(Site(plan, 'decoder'), mc.decoder_depth), state,
                                 scan=self.scan_blocks, stacked=stacked.get('decoder'), method=MAR.run_decoder)
