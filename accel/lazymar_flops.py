@@ -5,8 +5,8 @@
 The convention of `var_models.mar.flops.sampling_flops` (2 FLOPs per multiply-add of every matmul,
 attention's included; element-wise work such as norms, the similarity scores and the caches' gathers
 and scatters left out; the VAE decoder apart, 'decode'), on the shapes the computation needs rather
-than the compiled sampler's static ones (its encoder over every position, its head and kept counts
-padded), as the baseline's count is made. The bound policy's schedule gives, per iteration:
+than the compiled sampler's static ones (its encoder's and head's rows and its kept counts padded),
+as the baseline's count is made. The bound policy's schedule gives, per iteration:
   - full iterations (refreshes, and every iteration when no iteration cache is on): MAR's
     computation, both CFG halves, the encoder on the buffer + known tokens, the decoder on all
     L = buffer + N positions;

@@ -48,7 +48,8 @@ from accel import LazyMAR, policy_from_spec
 from accel.fidelity import peak_bytes
 from accel.lazymar_flops import lazymar_sampling_flops, official_extra
 from accel.timing import compiled_in
-from timing import call_times, device_events, kernel_class, line_splits, print_top_device_ops, xla_variants
+from timing import (call_times, device_events, kernel_class, line_splits, print_top_device_ops, settings,
+                    xla_variants)
 from var_models.flop_count import flops
 from var_models.mar import model as mar_model
 from var_models.mar.flops import sampling_flops
@@ -304,6 +305,7 @@ def family_main(args) -> None:
   with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
     for label, config, specs in family_configs(args):
       overrides = dict(cfg=3.0, num_iter=64, num_steps=100) if config.family == 'mar' else dict(cfg=1.5, num_steps=250)
+      overrides.update(settings(args.family_overrides))
       family = family_from_config(config, overrides=overrides)
       makes = {'': family.make}
       if config.family == 'mar':
@@ -363,6 +365,8 @@ def main():
   ap.add_argument('--ecar_sizes', default='', help="E-CAR sizes (S, B, L): time E-CAR's condition cache "
                   'instead of VAR')
   ap.add_argument('--ecar_presets', default=','.join(ECAR_PRESETS), help='ECARConditionCache presets')
+  ap.add_argument('--family_overrides', default='', help="sampling settings of every MAR and E-CAR sampler "
+                  "('key=value,...', e.g. 'encoder_sizes=0')")
   ap.add_argument('--family_dtype', default='bfloat16', help='compute dtype of the MAR and E-CAR models')
   args = compilation_cache.parse_args(ap)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)

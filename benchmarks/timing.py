@@ -14,16 +14,20 @@ import jax
 from accel.timing import compiled_in, timed_calls
 
 
-def xla_variants(spec: str) -> list[dict]:
-  """'a=1,b=true;c=x' -> [{'a': 1, 'b': True}, {'c': 'x'}]: one dict of XLA compiler
-  options per ';'-separated variant ('' is XLA's defaults)."""
+def settings(spec: str) -> dict:
+  """'a=1,b=true,c=x' -> {'a': 1, 'b': True, 'c': 'x'} (values read as JSON where they parse)."""
   def value(text):
     try:
       return json.loads(text)
     except json.JSONDecodeError:
       return text
-  return [{k: value(v) for k, v in (kv.split('=', 1) for kv in variant.split(',') if kv)}
-          for variant in spec.split(';')]
+  return {k: value(v) for k, v in (kv.split('=', 1) for kv in spec.split(',') if kv)}
+
+
+def xla_variants(spec: str) -> list[dict]:
+  """'a=1,b=true;c=x' -> [{'a': 1, 'b': True}, {'c': 'x'}]: one dict of XLA compiler
+  options per ';'-separated variant ('' is XLA's defaults)."""
+  return [settings(variant) for variant in spec.split(';')]
 
 
 def time_compiled(lowered, make_args: Callable[[int], tuple], batch: int, warmup: int, iters: int,

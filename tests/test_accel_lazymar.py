@@ -55,8 +55,9 @@ def test_all_caches_record_refreshes_encoder_sets_and_kept_counts(params, baseli
   sample = make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, policy=LazyMAR(**TINY), record=True)
   _, aux = sample(params, jax.random.key(3), LABELS, cfg=3.0)
   it, bound = aux['iterations'], sample.policy.bound
-  # The encoder cache's iterations run the encoder on every position; the others on the known ones.
-  assert [n is None for n in sample.encoder_lengths] == [p.tag is not None for p in sample.plans]
+  # The encoder cache's cached iterations run the encoder on every position (and forward a few);
+  # the refreshes on the buffer and the known positions.
+  assert [n is None for n in sample.encoder_lengths] == [p.tag not in (None, 'full') for p in sample.plans]
   np.testing.assert_array_equal(it['refresh'], [True, True, True, False, False, True])
   np.testing.assert_array_equal(it['kept'].sum(-1)[:, 0], bound.keep)
   pred = np.asarray(it['pred'])
@@ -75,6 +76,22 @@ def test_all_caches_record_refreshes_encoder_sets_and_kept_counts(params, baseli
       assert it['kept'][step][rows[valid], now[valid] + CFG.buffer_size].all()
   tokens = np.asarray(aux['tokens'])
   assert np.isfinite(tokens).all() and not np.array_equal(tokens, baseline_tokens)
+
+
+def test_refreshes_encoding_the_known_positions_equal_every_position(params):
+  """The refreshes' encoder on the buffer and the known positions (padded to 2 lengths), their K/V
+  written into the cache at their positions, against every position with the unknown ones hidden:
+  the same decisions, and tokens to float32 rounding (relative to their scale)."""
+  make = lambda n: make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, policy=LazyMAR(**TINY), record=True,
+                                    encoder_sizes=n)
+  gathered, every = make(2), make(None)
+  assert [n is not None for n in gathered.encoder_lengths] == [p.tag == 'full' for p in gathered.plans]
+  assert every.encoder_lengths == (None,) * NUM_ITER
+  want, got = (s(params, jax.random.key(3), LABELS, cfg=3.0)[1] for s in (every, gathered))
+  for name in ('kept', 'encoded', 'refresh', 'pred'):
+    np.testing.assert_array_equal(got['iterations'][name], want['iterations'][name])
+  want, got = np.asarray(want['tokens']), np.asarray(got['tokens'])
+  assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 def test_decoder_sizes_merged_into_one_change_the_plans_not_the_outputs(params):

@@ -49,11 +49,23 @@ class _SegmentedNeutral(MARPolicy):
     return [BlockHooks() for _ in range(depth)]
 
 
-def test_neutral_hooks_segmented_plans_and_threaded_state_equal_the_baseline(params):
-  # A hooked encoder runs on every position, the unknown ones hidden as keys: so does this baseline.
+class _EveryPositionNeutral(_SegmentedNeutral):
+  def plan(self, num_iter):
+    return tuple(IterPlan(tag=i % 3, every_position=True) for i in range(num_iter))
+
+
+def test_neutral_hooks_segmented_plans_and_threaded_state_equal_the_baseline(params, baseline_tokens):
+  sample = make_mar_sampler(MAR_CFG, VAE_CFG, num_iter=NUM_ITER, policy=_SegmentedNeutral())
+  np.testing.assert_array_equal(sample(params, jax.random.key(3), LABELS, **OPTS)[1]['tokens'], baseline_tokens)
+
+
+def test_neutral_hooks_of_plans_on_every_position_equal_that_baseline(params):
+  """Plans that ask for every position (`IterPlan.every_position`) hand their hooks the unknown
+  ones too, hidden as keys: the baseline of encoder_sizes=None."""
   want = make_mar_sampler(MAR_CFG, VAE_CFG, num_iter=NUM_ITER, encoder_sizes=None)(
       params, jax.random.key(3), LABELS, **OPTS)[1]['tokens']
-  sample = make_mar_sampler(MAR_CFG, VAE_CFG, num_iter=NUM_ITER, policy=_SegmentedNeutral())
+  sample = make_mar_sampler(MAR_CFG, VAE_CFG, num_iter=NUM_ITER, policy=_EveryPositionNeutral())
+  assert sample.encoder_lengths == (None,) * NUM_ITER
   np.testing.assert_array_equal(sample(params, jax.random.key(3), LABELS, **OPTS)[1]['tokens'], want)
 
 

@@ -1,8 +1,9 @@
 """Model FLOPs of MAR sampling: the computation the official code runs, counted piece by piece on
 jaxprs with `var_models.flop_count` (2 FLOPs per multiply-add, attention matmuls included).
 
-The compiled sampler runs static shapes: its encoder sees every position (masked keys) and its
-head the largest prediction count of any iteration, so its own jaxpr counts more than the model
+The compiled sampler runs static shapes: its encoder sees the known positions padded to a few
+lengths (or every position, masked keys) and its head the largest prediction count of any
+iteration, so its own jaxpr counts more than the model
 needs. This counts what the official `sample_tokens` computes instead: at every iteration the
 encoder on the buffer plus the known tokens, the decoder on every position, and the head's
 diffusion steps on the tokens the iteration predicts; with CFG both halves of each. The VAE

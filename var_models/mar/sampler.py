@@ -26,9 +26,9 @@ count is static, so the iterations are one `lax.scan` over padded shapes:
     keys and dropped after. MAR's 64-iteration schedule averages 156 of its 320
     positions, so this halves the encoder's work against running every position;
     encoder_sizes=None runs every position, the unknown ones hidden as keys (the
-    same outputs, one shape for every iteration). Where a policy hooks the
-    encoder (LazyMAR's cache), its blocks see every position, the unknown ones
-    hidden as keys;
+    same outputs, one shape for every iteration), as do the iterations whose
+    policy plan asks for it (`IterPlan.every_position`: LazyMAR's cached
+    iterations, which forward a few of every position's rows);
   - the head samples P = max predicted-per-iteration rows; rows past an
     iteration's count are computed and discarded.
 With guidance the batch is doubled ([cond; uncond(fake class)]), both halves
@@ -168,35 +168,35 @@ class _MARSampler:
 
   def _encoder_lengths(self, most: Optional[int]) -> tuple[Optional[int], ...]:
     """Per iteration, the encoder's static length: its buffer + known positions padded by
-    `merge_sizes` into at most `most` lengths, over the iterations whose plan leaves the encoder
-    unhooked; None (every position, the unknown ones hidden as keys) at the others, or with most
-    None."""
+    `merge_sizes` into at most `most` lengths, over the iterations whose plan gathers them; None
+    (every position, the unknown ones hidden as keys) at the others, or with most None."""
     mc = self.mar_cfg
     if most is not None and (not isinstance(most, int) or most < 1):
       raise ValueError(f'encoder_sizes must be None or an int >= 1, got {most!r}')
-    gathered = [most is not None and self.policy.block_hooks(Site(p, 'encoder'), mc.encoder_depth) is None
-                for p in self.plans]
+    gathered = [most is not None and not p.every_position for p in self.plans]
     kept = [mc.buffer_size + mc.seq_len - int(m) for m in self.schedule.mask.masked]
     padded = merge_sizes(collections.Counter(k for k, g in zip(kept, gathered) if g), most)
     return tuple(padded[k] if g else None for k, g in zip(kept, gathered))
 
-  def _encode(self, params, stacked, hooks, tokens, mask, class_emb, length: Optional[int], state):
+  def _encode(self, params, stacked, plan: IterPlan, tokens, mask, class_emb, length: Optional[int], state):
     """The encoder's output as the decoder's input [rows, buffer + N, Cd] (rows = tokens' and
-    mask's [rows, N, D] / [rows, N]) and the policy's state, through the plan's encoder `hooks`:
+    mask's [rows, N, D] / [rows, N]) and the policy's state, through the plan's encoder hooks:
     on `length` gathered positions (the buffer and the known ones first, in order; the rest
     padding, hidden as keys and dropped), or on every position with length None."""
     mp, mc = {'params': params['mar']}, self.mar_cfg
     x = self.model.apply(mp, tokens, class_emb, method=MAR.encoder_input)
-    run = functools.partial(self.model.apply, mp, hooks=hooks, state=state, scan=self.scan_blocks,
-                            stacked=stacked.get('encoder'), method=MAR.run_encoder)
+    run = lambda x, attn_mask, positions: self.model.apply(
+        mp, x, attn_mask, self.policy.block_hooks(Site(plan, 'encoder', positions), mc.encoder_depth), state,
+        scan=self.scan_blocks, stacked=stacked.get('encoder'), method=MAR.run_encoder)
     if length is None:
-      x, state = run(x, key_mask(mc, mask))
+      x, state = run(x, key_mask(mc, mask), None)
       return self.model.apply(mp, x, mask, method=MAR.decoder_input), state
     keep = keep_indices(mc, mask, length - mc.buffer_size)
     valid = jnp.arange(length) < mc.buffer_size + jnp.sum(~mask, axis=1, keepdims=True)
-    x, state = run(jnp.take_along_axis(x, keep[..., None], axis=1), attn_lib.TokenMask(valid[:, None, None, :]))
-    dropped = jnp.where(valid, keep, mc.buffer_size + mc.seq_len)   # out of range: the scatter drops them
-    return self.model.apply(mp, x, None, dropped, method=MAR.decoder_input), state
+    positions = jnp.where(valid, keep, mc.buffer_size + mc.seq_len)   # out of range: the scatter drops them
+    x, state = run(jnp.take_along_axis(x, keep[..., None], axis=1), attn_lib.TokenMask(valid[:, None, None, :]),
+                   positions)
+    return self.model.apply(mp, x, None, positions, method=MAR.decoder_input), state
 
   def _prepared(self, params, heads: list):
     """(params with the blocks' and the head's Dense weights in the compute dtype, the scanned
@@ -244,7 +244,7 @@ class _MARSampler:
       tokens = tokens.at[jnp.arange(b)[:, None], idx].set(used, mode='drop')
       return (tokens, state), (dict(pred=idx, sampled=new, **record) if self.record else None)
 
-    # xs['encoder']: the iteration's encoder length among `lengths` (any one where the plan hooks it).
+    # xs['encoder']: the iteration's encoder length among `lengths` (any one where the plan runs every position).
     at_length = [lengths[0] if e is None else e for e in self.encoder_lengths] if lengths else []
     for name, distinct, per_iter in (('plan', trunks, self.plans), ('head', heads, self.head_caches),
                                      ('encoder', lengths, at_length)):
@@ -262,7 +262,7 @@ class _MARSampler:
   def _decode(self, params, stacked, plan: IterPlan, lengths: list, tokens, state, idx, rank, class_emb, xs):
     """An iteration's model part: encode the known tokens, decode all, the head's conditions at the
     positions idx [B, P] predicted now. lengths: the encoder's distinct lengths (`_encode`), the
-    iteration's xs['encoder'] among them where the plan leaves the encoder unhooked; tokens [B, N,
+    iteration's xs['encoder'] among them where the plan gathers the known positions; tokens [B, N,
     D]; xs: the iteration's counts (see `_sample`); stacked: `MAR.stacked_blocks` ({} unless the
     blocks run as a scan).
     -> (z [R, Cd] (R = 2BP with guidance: [cond; uncond]), the policy's state, its record)."""
@@ -272,10 +272,9 @@ class _MARSampler:
     state = policy.begin(plan, IterInfo(xs['i'], mask, idx), state)
     rows = 2 * b if self.guided and plan.uncond else b
     t2, m2 = jnp.tile(tokens, (rows // b, 1, 1)), jnp.tile(mask, (rows // b, 1))
-    hooks = policy.block_hooks(Site(plan, 'encoder'), mc.encoder_depth)
-    encode = lambda length: functools.partial(self._encode, params, stacked, hooks, t2, m2, class_emb[:rows], length,
+    encode = lambda length: functools.partial(self._encode, params, stacked, plan, t2, m2, class_emb[:rows], length,
                                               state)
-    x, state = encode(None)() if hooks is not None or not lengths else _switch(xs, 'encoder', lengths, encode)
+    x, state = encode(None)() if plan.every_position or not lengths else _switch(xs, 'encoder', lengths, encode)
     x, state = policy.decoder_input(plan, x, state)
     x, state = self.model.apply(mp, x, policy.block_hooks(Site(plan, 'decoder'), mc.decoder_depth), state,
                                 scan=self.scan_blocks, stacked=stacked.get('decoder'), method=MAR.run_decoder)
