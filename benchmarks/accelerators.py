@@ -303,9 +303,11 @@ def family_main(args) -> None:
   batches = [int(b) for b in args.batches.split(',')]
   makers, futures, order = {}, [], []
   with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
-    for label, config, specs in family_configs(args):
+    variants = args.family_overrides.split(';')
+    for (label, config, specs), variant in itertools.product(family_configs(args), variants):
       overrides = dict(cfg=3.0, num_iter=64, num_steps=100) if config.family == 'mar' else dict(cfg=1.5, num_steps=250)
-      overrides.update(settings(args.family_overrides))
+      overrides.update(settings(variant))
+      label = f'{label} {variant}' if len(variants) > 1 else label
       family = family_from_config(config, overrides=overrides)
       makes = {'': family.make}
       if config.family == 'mar':
@@ -366,7 +368,7 @@ def main():
                   'instead of VAR')
   ap.add_argument('--ecar_presets', default=','.join(ECAR_PRESETS), help='ECARConditionCache presets')
   ap.add_argument('--family_overrides', default='', help="sampling settings of every MAR and E-CAR sampler "
-                  "('key=value,...', e.g. 'encoder_sizes=0')")
+                  "('key=value,...', e.g. 'encoder_sizes=0'); ';'-separated sets compile and time each set's rows")
   ap.add_argument('--family_dtype', default='bfloat16', help='compute dtype of the MAR and E-CAR models')
   args = compilation_cache.parse_args(ap)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
