@@ -10,7 +10,7 @@ diffusion head's once per diffusion step of every iteration, the KL-16 decoder o
 compute dtype, at the HBM bandwidth a copy reaches in the same run. `--adaln_ahead_rows 128,0`
 compiles each sampler twice, side by side: the diffusion head's adaLN outputs of every step
 computed before its loop up to 128 rows (`blocks.ADALN_AHEAD_MAX_ROWS`), and at every step;
-`--encoder_sizes 4,none` likewise: the encoder on the known positions at up to 4 lengths, and on
+`--encoder_sizes 4,0` likewise: the encoder on the known positions at up to 4 lengths, and on
 every position.
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main():
   ap.add_argument('--adaln_ahead_rows', default=str(blocks.ADALN_AHEAD_MAX_ROWS),
                   help="rows up to which the head's adaLN outputs are computed before its loop (0: never), one run per value")
   ap.add_argument('--encoder_sizes', default='4',
-                  help="the encoder's lengths compiled ('none': every position at one length), one run per value")
+                  help="the encoder's lengths compiled (0: every position at one length, as the sampling flag), one run per value")
   ap.add_argument('--copy_bytes', type=int, default=1 << 31, help='size of the copy that measures HBM bandwidth')
   args = compilation_cache.parse_args(ap)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
@@ -101,7 +101,7 @@ def main():
     for batch in [int(b) for b in args.batches.split(',')]:
       labels = np.arange(batch, dtype=np.int32) % mar_cfg.class_num
       for ahead_rows, sizes in itertools.product([int(r) for r in args.adaln_ahead_rows.split(',')],
-                                                 [None if v == 'none' else int(v) for v in args.encoder_sizes.split(',')]):
+                                                 [int(v) or None for v in args.encoder_sizes.split(',')]):
         rows.append(time_one(make_sampler, params, labels, ahead_rows, sizes, args, bound, bandwidth, size=size,
                              num_iter=num_iter))
   if args.json:

@@ -95,6 +95,11 @@ def test_respaced_process_keeps_alphas_cumprod():
   assert create_diffusion('100') is create_diffusion('100')  # cached: one static object per spec
 
 
+def test_a_respacing_of_one_step_is_an_error_naming_the_steps():
+  with pytest.raises(ValueError, match=r"diffusion steps \(respacing '1'\) must be >= 2, got 1"):
+    create_diffusion('1')
+
+
 # ---------------------------------------------------------------- q and posterior
 
 

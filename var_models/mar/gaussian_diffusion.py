@@ -269,6 +269,8 @@ def create_diffusion(respacing: Union[str, int, None] = None, noise_schedule: st
     raise ValueError(f'unknown noise schedule {noise_schedule!r}; expected one of {sorted(schedules)}')
   base = GaussianDiffusion(schedules[noise_schedule](diffusion_steps), np.arange(diffusion_steps))
   keep = space_timesteps(diffusion_steps, diffusion_steps if respacing in (None, '') else respacing)
+  if len(keep) < 2:   # the posterior's clipped log-variance reads step 1, as the official's
+    raise ValueError(f'diffusion steps (respacing {respacing!r}) must be >= 2, got {len(keep)}')
   # New betas chain the kept alphas_cumprod: 1 - abar[k_j] / abar[k_{j-1}].
   ac = base.alphas_cumprod[keep]
   return GaussianDiffusion(1.0 - ac / np.append(1.0, ac[:-1]), np.asarray(keep))
