@@ -28,8 +28,8 @@ from timing import time_compiled, top_device_ops, xla_variants
 from accel.lazymar import LazyMAR
 from configs import mar as mar_configs
 from var_models.mar import from_config
-from var_models.mar.diffloss import (DiffLossConfig, diffloss_sample, diffloss_sample_cached, head_adaln,
-                                     init_diffloss, merged_adaln)
+from var_models.mar.diffloss import (DiffLossConfig, conditional_draws, diffloss_sample, diffloss_sample_cached,
+                                     head_adaln, init_diffloss, merged_adaln)
 from var_models.mar.gaussian_diffusion import create_diffusion
 from var_models.mar.policy import IterPlan
 from var_models.mar.schedule import MARSchedule, mask_schedule
@@ -65,10 +65,7 @@ def head_loop(cache_name: str, net, params, adaln, steps: int):
   diffusion = create_diffusion(str(steps))
 
   def loop(params, adaln, z, key):
-    r = z.shape[0] // 2
-    k_init, k_loop = jax.random.split(key)
-    x_t = jax.random.normal(k_init, (r, net.in_channels), jnp.float32)
-    noise_fn = lambda i: jax.random.normal(jax.random.fold_in(k_loop, i), (r, net.in_channels), jnp.float32)
+    x_t, noise_fn = conditional_draws(key, z.shape[0] // 2, net.in_channels)
     return diffloss_sample_cached(net, params, z, x_t, noise_fn, 1.0, 3.0, cache, diffusion, adaln)
   return jax.jit(loop), head_adaln(net, params, cache, steps)
 

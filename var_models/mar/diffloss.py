@@ -291,6 +291,15 @@ def head_adaln(net: SimpleMLPAdaLN, params, cache: Optional[HeadCache], num_step
           for kind in dict.fromkeys(cache.kinds(num_steps))}
 
 
+def conditional_draws(key: Array, rows: int, channels: int):
+  """The random draws `diffloss_sample` makes from `key` on 2 x rows guided rows, the conditional
+  rows' only: (x_T [rows, C], noise_fn(i) -> loop step i's noise [rows, C]), for
+  `diffloss_sample_cached` to sample what the plain loop would."""
+  k_init, k_loop = jax.random.split(key)
+  x_t = jax.random.normal(k_init, (rows, channels), jnp.float32)
+  return x_t, lambda i: jax.random.normal(jax.random.fold_in(k_loop, i), (2 * rows, channels), jnp.float32)[:rows]
+
+
 def diffloss_sample_cached(net: SimpleMLPAdaLN, params, z: Array, x_T: Array, noise_fn, temperature, guidance,
                            cache: HeadCache, diffusion: GaussianDiffusion, adaln: Optional[dict] = None) -> Array:
   """Guided sampling through a policy's `cache`: z = [cond; uncond] [2R, Cz], x_T [R, C]. Only

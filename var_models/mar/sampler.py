@@ -56,7 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from var_models.mar.diffloss import diffloss_model_fn, diffloss_sample, diffloss_sample_cached, head_adaln
+from var_models.mar.diffloss import (conditional_draws, diffloss_model_fn, diffloss_sample, diffloss_sample_cached,
+                                     head_adaln)
 from var_models.mar.gaussian_diffusion import create_diffusion
 from var_models.mar.model import MAR, MARConfig, diffloss_net, keep_indices, key_mask
 from var_models.mar.policy import BASELINE, IterInfo, IterPlan, MARPolicy, Site, check_plans
@@ -321,10 +322,8 @@ class _MARSampler:
       out = self.diffusion.p_sample_loop_with_noises(model_fn, x_t, steps[:, :x_t.shape[0]], temperature)
     else:
       rows, c = z.shape[0] // 2, net.in_channels
-      if noises is None:   # the draws of `diffloss_sample`, conditional rows only
-        k_init, k_loop = jax.random.split(key)
-        x_t = jax.random.normal(k_init, (rows, c), jnp.float32)
-        noise_fn = lambda i: jax.random.normal(jax.random.fold_in(k_loop, i), (2 * rows, c), jnp.float32)[:rows]
+      if noises is None:
+        x_t, noise_fn = conditional_draws(key, rows, c)
       else:
         x_t, noise_fn = noises['init'].reshape(rows, c), lambda i: noises['steps'][i, 0].reshape(rows, c)
       return diffloss_sample_cached(net, head, z, x_t, noise_fn, temperature, guidance, cache, self.diffusion, adaln)
