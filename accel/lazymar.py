@@ -42,6 +42,7 @@ index L (gathered as NaN rows, dropped when scattered), so they change the work,
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Any, ClassVar, Optional
@@ -338,7 +339,7 @@ class LazyMAR(Presets, MARPolicy):
       if not refresh[s]:
         most[self.ratios[s]] = max(most.get(self.ratios[s], 0), keep[s])
     cached = [most[self.ratios[s]] for s in range(num_iter) if not refresh[s]]
-    padded = merge_sizes({n: cached.count(n) for n in set(cached)}, self.decoder_sizes)
+    padded = merge_sizes(collections.Counter(cached), self.decoder_sizes)
     bucket = tuple(length if refresh[s] else padded[most[self.ratios[s]]] for s in range(num_iter))
     return dataclasses.replace(self, bound=_Bound(
         length=length, buffer=cfg.buffer_size, max_pred=sched.max_pred, refresh=refresh,
