@@ -5,10 +5,11 @@
 Iterations are *full* (refreshes: both CFG halves, every token, every cache rebuilt) when
 step < refresh_start or (step - refresh_start) % refresh_every == 0 (of 64: 0-5, 14, 23, 32,
 41, 50, 59); the others are *cached*. Four caches, each of which can be switched off:
-  - encoder: a refresh runs it on the buffer and the known tokens (the sampler's gathered rows,
-    as MAR's encoder drops the others) and writes their K/V into a per-layer cache of every
-    position; at a cached iteration it forwards only the buffer and the tokens predicted at the
-    previous iteration (every position's rows, those selected), writes their K/V at their
+  - encoder: every iteration runs it on every position (the unknown ones hidden as keys, which
+    gives the known tokens what MAR's encoder gives them on the known tokens alone; measured
+    faster than the known positions gathered at a refresh, benchmarks/RESULTS.md); a refresh
+    writes every position's K/V into a per-layer cache; a cached iteration forwards only the
+    buffer and the tokens predicted at the previous iteration, writes their K/V at their
     positions and attends through the cache to the buffer and the known tokens; the decoder's
     input is cached too and refreshed only at those positions;
   - decoder (token cache): blocks before `similarity_block` and that block's attention run
@@ -179,29 +180,26 @@ class _HeadHooks(HeadHooks):
 
 
 class _EncoderHooks(BlockHooks):
-  """Encoder block `block`: at a refresh store the K/V of the rows it runs (the cached rows'; at
-  their positions where the encoder runs gathered rows, else every position's); at a cached
-  iteration forward the buffer and the previous predictions, attending through the cache."""
+  """Encoder block `block`: at a refresh store every position's K/V (the cached rows'); at a
+  cached iteration forward the buffer and the previous predictions, attending through the cache."""
 
-  def __init__(self, block, cached: bool, positions: Optional[Array]):
-    self.block, self.cached, self.positions = block, cached, positions
+  def __init__(self, block, cached: bool):
+    self.block, self.cached = block, cached
 
   def scan_group(self):
     return ('lazymar_encoder', self.cached)
 
   def for_layer(self, layer):
-    return _EncoderHooks(layer, self.cached, self.positions)
+    return _EncoderHooks(layer, self.cached)
 
   def select(self, site, x, state):
     return (state['it']['enc_idx'] if self.cached else None), state
 
   def kv(self, k, v, idx, state):
     if not self.cached:
-      rows, positions = state['enc_k'].shape[1], self.positions
-      write = lambda n, a: a[:rows] if positions is None else tok.scatter(state[n][self.block], positions[:rows],
-                                                                           a[:rows])
-      return k, v, {**state, 'enc_k': state['enc_k'].at[self.block].set(write('enc_k', k)),
-                    'enc_v': state['enc_v'].at[self.block].set(write('enc_v', v))}
+      rows = state['enc_k'].shape[1]
+      return k, v, {**state, 'enc_k': state['enc_k'].at[self.block].set(k[:rows]),
+                    'enc_v': state['enc_v'].at[self.block].set(v[:rows])}
     ck, cv = (tok.scatter(state[n][self.block], idx, a) for n, a in (('enc_k', k), ('enc_v', v)))
     return ck, cv, {**state, 'enc_k': state['enc_k'].at[self.block].set(ck),
                     'enc_v': state['enc_v'].at[self.block].set(cv)}
@@ -354,7 +352,7 @@ class LazyMAR(Presets, MARPolicy):
     b = self._bound()
     if not self.caches_iterations:
       return (IterPlan(),) * num_iter
-    return tuple(IterPlan(tag='full') if b.refresh[s] else
+    return tuple(IterPlan(tag='full', every_position=self.encoder) if b.refresh[s] else
                  IterPlan(uncond=not self.condition, tag=('cached', b.bucket[s] if self.decoder else None),
                           every_position=self.encoder)
                  for s in range(num_iter))
@@ -409,7 +407,7 @@ class LazyMAR(Presets, MARPolicy):
     if plan.tag is None:
       return None
     if site.stack == 'encoder':
-      return [_EncoderHooks(i, plan.tag != 'full', site.positions) for i in range(depth)] if self.encoder else None
+      return [_EncoderHooks(i, plan.tag != 'full') for i in range(depth)] if self.encoder else None
     if not self.decoder:
       return None
     bound = None if plan.tag == 'full' else plan.tag[1]

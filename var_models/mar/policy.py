@@ -8,7 +8,7 @@ one `lax.scan` whose body switches between the distinct static *plans* for the m
 between the distinct head caches for the diffusion head, and carries the policy's state (its
 caches, a pytree; `init_state(batch)`, batch = B samples) through the scan. At every iteration it
 asks the core hooks:
-  - `block_hooks(Site(plan, stack, positions), depth)`: per block of the encoder or decoder stack, which
+  - `block_hooks(Site(plan, stack), depth)`: per block of the encoder or decoder stack, which
     tokens each sub-layer forwards, which keys and values they attend to (`BlockHooks.kv`:
     the cached K/V of the others) and how the others are restored (cached features);
   - `guide(plan, halves, state)` (guided samplers): the decoder blocks' output (before the
@@ -52,8 +52,9 @@ class IterPlan:
   """Static choices of one MAR iteration."""
   uncond: bool = True      # run the CFG batch's unconditional half (else `guide` makes it)
   tag: Hashable = None     # the policy's own static choice for the iteration
-  # The encoder's rows: every position, the unknown ones hidden as keys (True); else the buffer
-  # and the known positions gathered, padded to a static length (`Site.positions` names them).
+  # The encoder's rows: every position, the unknown ones hidden as keys (True; a policy whose
+  # encoder hooks cache per position asks for it); else the buffer and the known positions
+  # gathered, padded to a static length.
   every_position: bool = False
 
 
@@ -61,9 +62,6 @@ class Site(NamedTuple):
   """Where `block_hooks` is asked: the iteration's plan and the stack about to run."""
   plan: IterPlan
   stack: str               # 'encoder' or 'decoder'
-  # The encoder on gathered rows (a plan without `every_position`): each row's position in
-  # buffer + sequence [rows, length], the padding rows buffer + N (out of range); else None.
-  positions: Optional[Array] = None
 
 
 @dataclasses.dataclass(frozen=True)

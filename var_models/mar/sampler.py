@@ -27,8 +27,8 @@ count is static, so the iterations are one `lax.scan` over padded shapes:
     positions, so this halves the encoder's work against running every position;
     encoder_sizes=None runs every position, the unknown ones hidden as keys (the
     same outputs, one shape for every iteration), as do the iterations whose
-    policy plan asks for it (`IterPlan.every_position`: LazyMAR's cached
-    iterations, which forward a few of every position's rows);
+    policy plan asks for it (`IterPlan.every_position`: LazyMAR's with its
+    encoder cache, which holds every position's K/V);
   - the head samples P = max predicted-per-iteration rows; rows past an
     iteration's count are computed and discarded.
 With guidance the batch is doubled ([cond; uncond(fake class)]), both halves
@@ -186,18 +186,17 @@ class _MARSampler:
     padding, hidden as keys and dropped), or on every position with length None."""
     mp, mc = {'params': params['mar']}, self.mar_cfg
     x = self.model.apply(mp, tokens, class_emb, method=MAR.encoder_input)
-    run = lambda x, attn_mask, positions: self.model.apply(
-        mp, x, attn_mask, self.policy.block_hooks(Site(plan, 'encoder', positions), mc.encoder_depth), state,
-        scan=self.scan_blocks, stacked=stacked.get('encoder'), method=MAR.run_encoder)
+    hooks = self.policy.block_hooks(Site(plan, 'encoder'), mc.encoder_depth)
+    run = functools.partial(self.model.apply, mp, hooks=hooks, state=state, scan=self.scan_blocks,
+                            stacked=stacked.get('encoder'), method=MAR.run_encoder)
     if length is None:
-      x, state = run(x, key_mask(mc, mask), None)
+      x, state = run(x, key_mask(mc, mask))
       return self.model.apply(mp, x, mask, method=MAR.decoder_input), state
     keep = keep_indices(mc, mask, length - mc.buffer_size)
     valid = jnp.arange(length) < mc.buffer_size + jnp.sum(~mask, axis=1, keepdims=True)
-    positions = jnp.where(valid, keep, mc.buffer_size + mc.seq_len)   # out of range: the scatter drops them
-    x, state = run(jnp.take_along_axis(x, keep[..., None], axis=1), attn_lib.TokenMask(valid[:, None, None, :]),
-                   positions)
-    return self.model.apply(mp, x, None, positions, method=MAR.decoder_input), state
+    x, state = run(jnp.take_along_axis(x, keep[..., None], axis=1), attn_lib.TokenMask(valid[:, None, None, :]))
+    dropped = jnp.where(valid, keep, mc.buffer_size + mc.seq_len)   # out of range: the scatter drops them
+    return self.model.apply(mp, x, None, dropped, method=MAR.decoder_input), state
 
   def _prepared(self, params, heads: list):
     """(params with the blocks' and the head's Dense weights in the compute dtype, the scanned
