@@ -16,8 +16,9 @@ attention on both sides; cfg 1.5, top-k 900, top-p 0.96):
 --scan on / both: the VAR samplers with each scale's runs of alike blocks (no hooks, or a
 policy's hooks of one scan group) as one `lax.scan` (`make_sampler(..., scan_blocks=True)`), and
 the MAR samplers with their encoder's and decoder's (config.sample.scan_blocks), as rows
-'spec@scan'. --xla 'a=1;b=true': every VAR sampler compiled again under each set of XLA options,
-as rows 'spec xla1', 'spec xla2', ... (the first set, '' by default, is XLA's defaults).
+'spec@scan'. --xla 'a=1;b=true': every sampler compiled again under each set of XLA options,
+as rows 'spec xla1', 'spec xla2', ... (the first set, '' by default, is XLA's defaults; a list
+value stays whole: ';xla_gpu_enable_command_buffer=FUSION,CUBLAS').
 Every sampler is lowered in turn and compiled in a pool of --compile_workers threads (compile
 seconds are each program's own wall time, under that contention), then, after --wait_for
 exists (so the compiles can overlap other GPU work), each is timed alone: medians of --iters
@@ -301,7 +302,7 @@ def family_main(args) -> None:
   rows (medians of --iters calls after --warmup)."""
   from sampling import family_from_config, sampling_from_config   # pylint: disable=import-outside-toplevel
   batches = [int(b) for b in args.batches.split(',')]
-  makers, futures, order = {}, [], []
+  makers, futures, order, xla = {}, [], [], xla_variants(args.xla)
   with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
     variants = args.family_overrides.split(';')
     for (label, config, specs), variant in itertools.product(family_configs(args), variants):
@@ -312,15 +313,17 @@ def family_main(args) -> None:
       makes = {'': family.make}
       if config.family == 'mar':
         makes['scan'] = sampling_from_config(config, {**overrides, 'scan_blocks': True}).make
-      for batch, name in itertools.product(batches, sampler_names(specs, args.scan if len(makes) > 1 else 'off')):
-        spec, _, scan = name.partition('@')
+      names = sampler_names(specs, args.scan if len(makes) > 1 else 'off', len(xla))
+      for batch, name in itertools.product(batches, names):
+        spec, _, scan = name.split(' ')[0].partition('@')
         sample = makes[scan](policy_from_spec(spec, family.name))
         labels = np.arange(batch, dtype=np.int32) % family.num_classes
         def arguments(i, sample=sample, labels=labels, family=family):
           return sample.arguments(family.params, jax.random.key(i), labels, **family.opts)
         makers[label, batch, name] = arguments
         futures.append(compile_in(pool, (label, batch, name),
-                                  sample.lower(family.params, jax.random.key(0), labels, **family.opts)))
+                                  sample.lower(family.params, jax.random.key(0), labels, **family.opts),
+                                  xla[int(name.partition(' xla')[2] or 0)]))
         order.append((label, batch, name))
     compiled = dict(f.result() for f in futures)
   wait_for(args.wait_for)
@@ -352,7 +355,7 @@ def main():
   ap.add_argument('--scan', default='off', choices=('off', 'on', 'both'),
                   help="VAR and MAR samplers with their blocks scanned ('spec@scan' rows), unrolled, or both")
   ap.add_argument('--xla', default='', help="';'-separated sets of XLA options ('a=1,b=true'), each compiling "
-                  "every VAR sampler apart (rows 'spec xla1', ...; '' is XLA's defaults)")
+                  "every sampler apart (rows 'spec xla1', ...; '' is XLA's defaults)")
   ap.add_argument('--warmup', type=int, default=2)
   ap.add_argument('--iters', type=int, default=10)
   ap.add_argument('--compile_workers', type=int, default=8)

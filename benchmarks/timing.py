@@ -5,6 +5,7 @@ import collections
 import glob
 import gzip
 import json
+import re
 import statistics
 import time
 from typing import Callable
@@ -15,13 +16,15 @@ from accel.timing import compiled_in, timed_calls
 
 
 def settings(spec: str) -> dict:
-  """'a=1,b=true,c=x' -> {'a': 1, 'b': True, 'c': 'x'} (values read as JSON where they parse)."""
+  """'a=1,b=true,c=x,y' -> {'a': 1, 'b': True, 'c': 'x,y'}: a comma starts a setting only before
+  'name=', so a list value (XLA's 'xla_gpu_enable_command_buffer=FUSION,CUBLAS') stays whole;
+  values are read as JSON where they parse."""
   def value(text):
     try:
       return json.loads(text)
     except json.JSONDecodeError:
       return text
-  return {k: value(v) for k, v in (kv.split('=', 1) for kv in spec.split(',') if kv)}
+  return {k: value(v) for k, v in (kv.split('=', 1) for kv in re.split(r',(?=\w+=)', spec) if kv)}
 
 
 def xla_variants(spec: str) -> list[dict]:
