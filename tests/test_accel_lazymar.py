@@ -77,7 +77,7 @@ def test_all_caches_record_refreshes_encoder_sets_and_kept_counts(params, baseli
   assert np.isfinite(tokens).all() and not np.array_equal(tokens, baseline_tokens)
 
 
-def test_without_the_encoder_cache_the_encoder_runs_the_known_positions_to_every_positions_tokens(params):
+def test_without_the_encoder_cache_the_gathered_encoder_gives_every_positions_tokens(params):
   """The decoder and condition caches leave the encoder unhooked: it runs on the buffer and the known
   positions (padded to 2 lengths), and the decisions and tokens equal those of every position."""
   make = lambda n: make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, policy=LazyMAR(**TINY, encoder=False),
