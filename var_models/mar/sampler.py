@@ -195,8 +195,8 @@ class _MARSampler:
     keep = keep_indices(mc, mask, length - mc.buffer_size)
     valid = jnp.arange(length) < mc.buffer_size + jnp.sum(~mask, axis=1, keepdims=True)
     x, state = run(jnp.take_along_axis(x, keep[..., None], axis=1), attn_lib.TokenMask(valid[:, None, None, :]))
-    dropped = jnp.where(valid, keep, mc.buffer_size + mc.seq_len)   # out of range: the scatter drops them
-    return self.model.apply(mp, x, None, dropped, method=MAR.decoder_input), state
+    positions = jnp.where(valid, keep, mc.buffer_size + mc.seq_len)   # out of range: the scatter drops them
+    return self.model.apply(mp, x, None, positions, method=MAR.decoder_input), state
 
   def _prepared(self, params, heads: list):
     """(params with the blocks' and the head's Dense weights in the compute dtype, the scanned
