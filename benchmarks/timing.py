@@ -118,23 +118,57 @@ def device_events(run: Callable[[], None], logdir: str) -> list[tuple[str, str, 
   return trace_events(run, logdir)['device']
 
 
-def top_device_ops(run: Callable[[], None], logdir: str, top: int = 25):
-  """Traces run() (see `device_events`) -> ([(line, op name, total ms, count)] of the `top` ops
-  by time, {line: busy ms})."""
+def top_ops(events, top: int = 25):
+  """`device_events` -> ([(line, op name, total ms, count)] of the `top` ops by time, {line: busy ms})."""
   total, count, busy = collections.Counter(), collections.Counter(), collections.Counter()
-  for line, name, _, dur in device_events(run, logdir):
+  for line, name, _, dur in events:
     total[line, name] += dur / 1e3
     count[line, name] += 1
     busy[line] += dur / 1e3
   return [(line, name, ms, count[line, name]) for (line, name), ms in total.most_common(top)], dict(busy)
 
 
+def top_device_ops(run: Callable[[], None], logdir: str, top: int = 25):
+  """Traces run() (see `device_events`) -> `top_ops` of its device events."""
+  return top_ops(device_events(run, logdir), top)
+
+
+def device_gaps(events, min_gap_us: float = 5.0) -> tuple[float, list[tuple[float, float]]]:
+  """`device_events` -> (span us, [(start, end) us] of every gap of at least `min_gap_us` when no
+  kernel runs on any stream). Only the 'Stream' lines count: the others view the same work as
+  XLA ops, which span the gaps inside a loop or a conditional."""
+  kernels = sorted((ts, ts + d) for line, _, ts, d in events if 'Stream' in line)
+  if not kernels:
+    return 0.0, []
+  gaps, end = [], kernels[0][1]
+  for start, stop in kernels[1:]:
+    if start - end >= min_gap_us:
+      gaps.append((end, start))
+    end = max(end, stop)
+  return end - kernels[0][0], gaps
+
+
+def print_device_gaps(events: dict, top: int = 8) -> None:
+  """Prints how long the GPU sat idle inside the traced call and the host events most often under
+  its longest gaps (what the GPU waited for: a conditional's read-back, a loop's launch, ...)."""
+  span, gaps = device_gaps(events['device'])
+  idle = sum(b - a for a, b in gaps)
+  longest = sorted(gaps, key=lambda g: g[0] - g[1])[:200]
+  host = [(name, ts, d) for _, name, ts, d in events['host'] if d < span / 2]   # not the call's enclosing spans
+  under = collections.Counter(name[:60] for a, b in longest for name, ts, d in host if ts < b and ts + d > a)
+  print(f'  device idle {idle / 1e3:.2f} ms of a {span / 1e3:.2f} ms span ({len(gaps)} gaps >= 5 us); host events '
+        f'under the {len(longest)} longest: {under.most_common(top)}', flush=True)
+
+
 def print_top_device_ops(run: Callable[[], None], logdir: str, top: int = 30) -> None:
-  """Traces run() (see `top_device_ops`) and prints each device line's busy time and the top ops."""
-  ops, busy = top_device_ops(run, logdir, top)
+  """Traces run() (see `trace_events`) and prints each device line's busy time, the top ops and the
+  device's idle gaps (`print_device_gaps`)."""
+  events = trace_events(run, logdir)
+  ops, busy = top_ops(events['device'], top)
   print(f'  device lines, busy ms in one call: {busy}', flush=True)
   for line, name, ms, n in ops:
     print(f'  {ms:8.2f} ms  x{n:<6} [{line[:20]}] {name[:100]}', flush=True)
+  print_device_gaps(events)
 
 
 # Kernel classes by name, first match wins: cuDNN / Pallas attention (with cuDNN's dO.O pre-pass of

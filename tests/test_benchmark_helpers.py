@@ -1,9 +1,10 @@
-"""The benchmarks' command-line settings ('a=1,b=true', ';'-separated sets of XLA options)."""
+"""The benchmarks' helpers: command-line settings ('a=1,b=true', ';'-separated sets of XLA options) and
+the device's idle gaps in a trace."""
 import pathlib
 import sys
 
 sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / 'benchmarks'))
-from timing import settings, xla_variants   # noqa: E402  pylint: disable=wrong-import-position
+from timing import device_gaps, settings, xla_variants   # noqa: E402  pylint: disable=wrong-import-position
 
 
 def test_settings_read_json_values_and_keep_list_values_whole():
@@ -17,3 +18,12 @@ def test_settings_read_json_values_and_keep_list_values_whole():
 def test_xla_variants_are_one_dict_per_set_the_first_empty_for_the_defaults():
   assert xla_variants(';xla_gpu_enable_triton_gemm=false;xla_gpu_enable_command_buffer=FUSION,CUDNN') == [
       {}, {'xla_gpu_enable_triton_gemm': False}, {'xla_gpu_enable_command_buffer': 'FUSION,CUDNN'}]
+
+
+def test_device_gaps_are_the_times_no_stream_runs_a_kernel():
+  events = [('Stream #1', 'a', 0.0, 10.0), ('Stream #1', 'b', 12.0, 8.0), ('Stream #2', 'c', 15.0, 15.0),
+            ('Stream #2', 'd', 40.0, 2.0), ('Stream #1', 'e', 43.0, 1.0),
+            ('XLA Ops', 'conditional', 0.0, 44.0)]   # a view of the same work, spanning the gaps
+  assert device_gaps(events, min_gap_us=1.0) == (44.0, [(10.0, 12.0), (30.0, 40.0), (42.0, 43.0)])
+  assert device_gaps(events, min_gap_us=5.0) == (44.0, [(30.0, 40.0)])
+  assert device_gaps([('XLA Ops', 'x', 0.0, 1.0)]) == (0.0, [])
