@@ -49,8 +49,8 @@ from accel import LazyMAR, policy_from_spec
 from accel.fidelity import peak_bytes
 from accel.lazymar_flops import lazymar_sampling_flops, official_extra
 from accel.timing import compiled_in
-from timing import (call_times, device_events, kernel_class, line_splits, print_top_device_ops, settings,
-                    xla_variants)
+from timing import (call_times, device_gap_summary, kernel_class, line_splits, print_top_device_ops, settings,
+                    trace_events, xla_variants)
 from var_models.flop_count import flops
 from var_models.mar import model as mar_model
 from var_models.mar.flops import sampling_flops
@@ -153,10 +153,10 @@ def time_calls(compiled, make_args, warmup: int, iters: int) -> float:
 
 
 def profile_split(compiled, make_args, logdir: str, num_scales: int, depth: int) -> list[str]:
-  """Per timeline line: ms per kernel class, and attention per scale when the line holds one attention
-  kernel per (scale, block) (in time order)."""
-  events = device_events(lambda: jax.block_until_ready(compiled(*make_args(7))), logdir)
-  out = []
+  """The device's idle gaps (`device_gap_summary`), then per timeline line: ms per kernel class, and
+  attention per scale when the line holds one attention kernel per (scale, block) (in time order)."""
+  traced = trace_events(lambda: jax.block_until_ready(compiled(*make_args(7))), logdir)
+  events, out = traced['device'], [device_gap_summary(traced)]
   for line, (busy, span, by_class, by_name) in line_splits(events).items():
     text = ', '.join(f'{k} {v:.2f}' for k, v in by_class.most_common())
     out.append(f'  [{line[:40]}] busy {busy:.2f} ms of a {span:.2f} ms span: {text}')

@@ -148,27 +148,28 @@ def device_gaps(events, min_gap_us: float = 5.0) -> tuple[float, list[tuple[floa
   return end - kernels[0][0], gaps
 
 
-def print_device_gaps(events: dict, top: int = 8) -> None:
-  """Prints how long the GPU sat idle inside the traced call and the host events most often under
-  its longest gaps (what the GPU waited for: a conditional's read-back, a loop's launch, ...)."""
+def device_gap_summary(events: dict, top: int = 8) -> str:
+  """How long the GPU sat idle inside the traced call (`trace_events`), and the host events most
+  often under its longest gaps (what the GPU waited for: a conditional's read-back, a loop's
+  launch, ...)."""
   span, gaps = device_gaps(events['device'])
   idle = sum(b - a for a, b in gaps)
   longest = sorted(gaps, key=lambda g: g[0] - g[1])[:200]
   host = [(name, ts, d) for _, name, ts, d in events['host'] if d < span / 2]   # not the call's enclosing spans
   under = collections.Counter(name[:60] for a, b in longest for name, ts, d in host if ts < b and ts + d > a)
-  print(f'  device idle {idle / 1e3:.2f} ms of a {span / 1e3:.2f} ms span ({len(gaps)} gaps >= 5 us); host events '
-        f'under the {len(longest)} longest: {under.most_common(top)}', flush=True)
+  return (f'  device idle {idle / 1e3:.2f} ms of a {span / 1e3:.2f} ms span ({len(gaps)} gaps >= 5 us); host events '
+          f'under the {len(longest)} longest: {under.most_common(top)}')
 
 
 def print_top_device_ops(run: Callable[[], None], logdir: str, top: int = 30) -> None:
   """Traces run() (see `trace_events`) and prints each device line's busy time, the top ops and the
-  device's idle gaps (`print_device_gaps`)."""
+  device's idle gaps (`device_gap_summary`)."""
   events = trace_events(run, logdir)
   ops, busy = top_ops(events['device'], top)
   print(f'  device lines, busy ms in one call: {busy}', flush=True)
   for line, name, ms, n in ops:
     print(f'  {ms:8.2f} ms  x{n:<6} [{line[:20]}] {name[:100]}', flush=True)
-  print_device_gaps(events)
+  print(device_gap_summary(events), flush=True)
 
 
 # Kernel classes by name, first match wins: cuDNN / Pallas attention (with cuDNN's dO.O pre-pass of
