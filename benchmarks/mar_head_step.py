@@ -12,7 +12,7 @@ sampler does, `blocks.dense_params_in`), the adaLN outputs of every step compute
 `--cache lazymar` runs the loop through LazyMAR's head cache (`accel.LazyMAR`'s official settings:
 16 of the 100 steps on both halves and every block, the others on the conditional half with the
 cached MLP outputs), as its sampler does at every iteration. On a GPU one more loop is traced and
-its kernels counted (`timing.top_device_ops`).
+its kernels counted and the GPU's idle time in it printed (`timing.device_gap_summary`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sampling import compilation_cache
-from timing import time_compiled, top_device_ops, xla_variants
+from timing import device_gap_summary, time_compiled, top_ops, trace_events, xla_variants
 from accel.lazymar import LazyMAR
 from configs import mar as mar_configs
 from var_models.mar import from_config
@@ -99,11 +99,13 @@ def main():
       print(f'cache {cache_name}, rows {rows} {options or "defaults"}: {row["median_ms"] * 1e3 / steps:.1f} us / step '
             f'(compile {row["compile_s"]:.1f} s); max |out - first set\'s| {np.abs(out - first).max():.2e}', flush=True)
       if jax.devices()[0].platform == 'gpu':
-        ops, _ = top_device_ops(lambda: jax.block_until_ready(compiled(*make_args(0))),
-                                f'/tmp/mar_head_{cache_name}_{rows}_{k}', 80)
+        events = trace_events(lambda: jax.block_until_ready(compiled(*make_args(0))),
+                              f'/tmp/mar_head_{cache_name}_{rows}_{k}')
+        ops, _ = top_ops(events['device'], 80)
         loop_ops = [(name, n, ms * 1e3 / n) for _, name, ms, n in ops if n >= steps // 10]
         print(f'  {sum(n for _, n, _ in loop_ops) / steps:.1f} kernels / step; per loop: ' +
               '; '.join(f'{name[:32]} x{n} {us:.2f} us' for name, n, us in loop_ops[:16]), flush=True)
+        print(device_gap_summary(events), flush=True)
 
 
 if __name__ == '__main__':

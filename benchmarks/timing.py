@@ -113,13 +113,8 @@ def trace_events(run: Callable[[], None], logdir: str) -> dict[str, list[tuple[s
   return {k: sorted(v, key=lambda e: e[2]) for k, v in out.items()}
 
 
-def device_events(run: Callable[[], None], logdir: str) -> list[tuple[str, str, float, float]]:
-  """The device lines of `trace_events`."""
-  return trace_events(run, logdir)['device']
-
-
 def top_ops(events, top: int = 25):
-  """`device_events` -> ([(line, op name, total ms, count)] of the `top` ops by time, {line: busy ms})."""
+  """`trace_events(...)['device']` -> ([(line, op name, total ms, count)] of the `top` ops by time, {line: busy ms})."""
   total, count, busy = collections.Counter(), collections.Counter(), collections.Counter()
   for line, name, _, dur in events:
     total[line, name] += dur / 1e3
@@ -128,13 +123,8 @@ def top_ops(events, top: int = 25):
   return [(line, name, ms, count[line, name]) for (line, name), ms in total.most_common(top)], dict(busy)
 
 
-def top_device_ops(run: Callable[[], None], logdir: str, top: int = 25):
-  """Traces run() (see `device_events`) -> `top_ops` of its device events."""
-  return top_ops(device_events(run, logdir), top)
-
-
 def device_gaps(events, min_gap_us: float = 5.0) -> tuple[float, list[tuple[float, float]]]:
-  """`device_events` -> (span us, [(start, end) us] of every gap of at least `min_gap_us` when no
+  """`trace_events(...)['device']` -> (span us, [(start, end) us] of every gap of at least `min_gap_us` when no
   kernel runs on any stream). Only the 'Stream' lines count: the others view the same work as
   XLA ops, which span the gaps inside a loop or a conditional."""
   kernels = sorted((ts, ts + d) for line, _, ts, d in events if 'Stream' in line)
@@ -194,7 +184,7 @@ def kernel_class(name: str) -> str:
 
 
 def line_splits(events) -> dict:
-  """`device_events` -> {line: (busy ms, span ms, {class: ms}, {kernel name: ms})}."""
+  """`trace_events(...)['device']` -> {line: (busy ms, span ms, {class: ms}, {kernel name: ms})}."""
   lines = collections.defaultdict(list)
   for line, name, ts, dur in events:
     lines[line].append((name, ts, dur))
