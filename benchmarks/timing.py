@@ -1,6 +1,7 @@
 """Timing compiled samplers: compile apart, median of host-timed calls after warm-up."""
 from __future__ import annotations
 
+import bisect
 import collections
 import glob
 import gzip
@@ -138,15 +139,28 @@ def device_gaps(events, min_gap_us: float = 5.0) -> tuple[float, list[tuple[floa
   return end - kernels[0][0], gaps
 
 
+def host_events_under(host, gaps, longest_us: float) -> collections.Counter:
+  """{host event name: how many of `gaps` (disjoint, in time order) it overlaps}, over the host
+  events (`trace_events(...)['host']`) shorter than `longest_us` (not the call's enclosing spans).
+  One bisection per event, so a trace of a million events takes seconds."""
+  starts, ends = [a for a, _ in gaps], [b for _, b in gaps]
+  under = collections.Counter()
+  for _, name, ts, d in host:
+    # the gaps (a, b) with a < ts + d and b > ts
+    n = bisect.bisect_left(starts, ts + d) - bisect.bisect_right(ends, ts) if d < longest_us else 0
+    if n > 0:
+      under[name[:60]] += n
+  return under
+
+
 def device_gap_summary(events: dict, top: int = 8) -> str:
   """How long the GPU sat idle inside the traced call (`trace_events`), and the host events most
-  often under its longest gaps (what the GPU waited for: a conditional's read-back, a loop's
+  often under its 200 longest gaps (what the GPU waited for: a conditional's read-back, a loop's
   launch, ...)."""
   span, gaps = device_gaps(events['device'])
   idle = sum(b - a for a, b in gaps)
-  longest = sorted(gaps, key=lambda g: g[0] - g[1])[:200]
-  host = [(name, ts, d) for _, name, ts, d in events['host'] if d < span / 2]   # not the call's enclosing spans
-  under = collections.Counter(name[:60] for a, b in longest for name, ts, d in host if ts < b and ts + d > a)
+  longest = sorted(sorted(gaps, key=lambda g: g[1] - g[0], reverse=True)[:200])
+  under = host_events_under(events['host'], longest, span / 2)
   return (f'  device idle {idle / 1e3:.2f} ms of a {span / 1e3:.2f} ms span ({len(gaps)} gaps >= 5 us); host events '
           f'under the {len(longest)} longest: {under.most_common(top)}')
 

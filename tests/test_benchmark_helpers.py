@@ -4,7 +4,7 @@ import pathlib
 import sys
 
 sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / 'benchmarks'))
-from timing import device_gaps, settings, xla_variants   # noqa: E402  pylint: disable=wrong-import-position
+from timing import device_gaps, host_events_under, settings, xla_variants   # noqa: E402  pylint: disable=wrong-import-position
 
 
 def test_settings_read_json_values_and_keep_list_values_whole():
@@ -27,3 +27,11 @@ def test_device_gaps_are_the_times_no_stream_runs_a_kernel():
   assert device_gaps(events, min_gap_us=1.0) == (44.0, [(10.0, 12.0), (30.0, 40.0), (42.0, 43.0)])
   assert device_gaps(events, min_gap_us=5.0) == (44.0, [(30.0, 40.0)])
   assert device_gaps([('XLA Ops', 'x', 0.0, 1.0)]) == (0.0, [])
+
+
+def test_host_events_under_gaps_count_each_overlapped_gap_and_skip_long_spans():
+  gaps = [(10.0, 12.0), (30.0, 40.0), (42.0, 43.0)]
+  host = [('t', 'readback', 9.0, 2.0), ('t', 'launch', 35.0, 8.0), ('t', 'busy', 12.0, 18.0),
+          ('t', 'readback', 31.0, 1.0), ('t', 'call', 0.0, 44.0)]
+  assert host_events_under(host, gaps, longest_us=22.0) == {'readback': 2, 'launch': 2}
+  assert host_events_under(host, gaps, longest_us=50.0)['call'] == 3
