@@ -179,6 +179,14 @@ class _HeadHooks(HeadHooks):
     return out, {**state, 'mlp': state['mlp'].at[index].set(h[:rows])}
 
 
+def _cached_kv(state: dict, names: tuple[str, str], layer, idx: Array, k: Array, v: Array):
+  """A cached iteration's K/V of one block: the fresh k, v [rows, k, H, D] of the forwarded
+  positions idx [rows, k] written into layer `layer` of the caches state[names] [depth, rows, L,
+  H, D] -> (that layer's K, V [rows, L, H, D], state with the caches)."""
+  caches = {n: tok.scatter_layer(state[n], layer, idx, a) for n, a in zip(names, (k, v))}
+  return caches[names[0]][layer], caches[names[1]][layer], {**state, **caches}
+
+
 class _EncoderHooks(BlockHooks):
   """Encoder block `block`: at a refresh store every position's K/V (the cached rows'); at a
   cached iteration forward the buffer and the previous predictions, attending through the cache."""
@@ -200,9 +208,7 @@ class _EncoderHooks(BlockHooks):
       rows = state['enc_k'].shape[1]
       return k, v, {**state, 'enc_k': state['enc_k'].at[self.block].set(k[:rows]),
                     'enc_v': state['enc_v'].at[self.block].set(v[:rows])}
-    ck, cv = (tok.scatter(state[n][self.block], idx, a) for n, a in (('enc_k', k), ('enc_v', v)))
-    return ck, cv, {**state, 'enc_k': state['enc_k'].at[self.block].set(ck),
-                    'enc_v': state['enc_v'].at[self.block].set(cv)}
+    return _cached_kv(state, ('enc_k', 'enc_v'), self.block, idx, k, v)
 
 
 class _DecoderHooks(BlockHooks):
@@ -238,7 +244,7 @@ class _DecoderHooks(BlockHooks):
         return k, v, {**state, 'v_sim': v[:rows]}
       return k, v, {**state, 'it': {**state['it'], 'v_now': v}}
     if self.bound is not None:
-      k, v = (tok.scatter(state[n][self.slot], idx, a) for n, a in (('dec_k', k), ('dec_v', v)))
+      return _cached_kv(state, ('dec_k', 'dec_v'), self.slot, idx, k, v)
     return k, v, {**state, 'dec_k': state['dec_k'].at[self.slot].set(k[:rows]),
                   'dec_v': state['dec_v'].at[self.slot].set(v[:rows])}
 

@@ -146,14 +146,17 @@ def residual(module: nn.Module, x: Array, branch: Callable, site: str, hooks: Op
   the tokens h it is given, idx [B, k] their positions in x (None: all of x), and
   may carry the policy's `state` (an attention sub-layer hands it to `hooks.kv`).
   With hooks, only the tokens `hooks.select` picks are forwarded and
-  `hooks.restore` fills in the others. Returns (x, aux, state).
+  `hooks.restore` fills in the others; with `BlockHooks.restore`'s zeros, the forwarded tokens'
+  outputs are added at their positions alone (`tok.scatter_add`). Returns (x, aux, state).
   """
   if hooks is None:
     y, aux, state = branch(x, None, state)
-  else:
-    idx, state = hooks.select(site, x, state)
-    y, aux, state = branch(x if idx is None else tok.gather(x, idx), idx, state)
-    y, state = hooks.restore(site, y, idx, x, state)
+    return x + drop_path(y, drop_path_rate, deterministic, module), aux, state
+  idx, state = hooks.select(site, x, state)
+  y, aux, state = branch(x if idx is None else tok.gather(x, idx), idx, state)
+  if idx is not None and type(hooks).restore is BlockHooks.restore:
+    return tok.scatter_add(x, idx, drop_path(y, drop_path_rate, deterministic, module)), aux, state
+  y, state = hooks.restore(site, y, idx, x, state)
   return x + drop_path(y, drop_path_rate, deterministic, module), aux, state
 
 
@@ -318,7 +321,8 @@ class BlockHooks:
     return attn_lib.attention(q, k, v, mask=mask, scale=scale, backend=backend, kv_len=kv_len), state
 
   def restore(self, site: str, y: Array, idx: Optional[Array], x: Array, state: Any):
-    """The branch output for all l tokens from y [B, k, C] of the forwarded ones."""
+    """The branch output for all l tokens from y [B, k, C] of the forwarded ones; this default's
+    is 0 for the others (`residual` adds y at idx itself where the hooks keep this default)."""
     if idx is None:
       return y, state
     return tok.scatter(jnp.zeros_like(x, dtype=y.dtype), idx, y), state
