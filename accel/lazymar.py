@@ -120,6 +120,7 @@ class _Bound:
   keep: tuple[int, ...]        # per iteration: decoder positions kept (L at full iterations)
   bucket: tuple[int, ...]      # per iteration: the static (padded) kept count of its plan
   cfg: Any                     # the MARConfig
+  scanned: bool                # K/V caches stacked on a layer axis (else one array per block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,12 +180,28 @@ class _HeadHooks(HeadHooks):
     return out, {**state, 'mlp': state['mlp'].at[index].set(h[:rows])}
 
 
+def _with_layer(cache, layer, value: Array):
+  """A K/V cache (a tuple of one [rows, L, H, D] array per block, or one array stacked on a layer
+  axis) with layer `layer` replaced by value."""
+  if isinstance(cache, tuple):
+    return cache[:layer] + (value,) + cache[layer + 1:]
+  return cache.at[layer].set(value)
+
+
 def _cached_kv(state: dict, names: tuple[str, str], layer, idx: Array, k: Array, v: Array):
   """A cached iteration's K/V of one block: the fresh k, v [rows, k, H, D] of the forwarded
-  positions idx [rows, k] written into layer `layer` of the caches state[names] [depth, rows, L,
-  H, D] -> (that layer's K, V [rows, L, H, D], state with the caches)."""
-  caches = {n: tok.scatter_layer(state[n], layer, idx, a) for n, a in zip(names, (k, v))}
-  return caches[names[0]][layer], caches[names[1]][layer], {**state, **caches}
+  positions idx [rows, k] written at layer `layer` of the caches state[names] -> (that layer's K,
+  V [rows, L, H, D], state with the caches). Both write in place; a stacked cache's layer is then
+  read out (a copy), a block's own array is read as it is."""
+  out, caches = [], {}
+  for n, a in zip(names, (k, v)):
+    if isinstance(state[n], tuple):
+      out.append(tok.scatter(state[n][layer], idx, a))
+      caches[n] = _with_layer(state[n], layer, out[-1])
+    else:
+      caches[n] = tok.scatter_layer(state[n], layer, idx, a)
+      out.append(caches[n][layer])
+  return out[0], out[1], {**state, **caches}
 
 
 class _EncoderHooks(BlockHooks):
@@ -205,9 +222,9 @@ class _EncoderHooks(BlockHooks):
 
   def kv(self, k, v, idx, state):
     if not self.cached:
-      rows = state['enc_k'].shape[1]
-      return k, v, {**state, 'enc_k': state['enc_k'].at[self.block].set(k[:rows]),
-                    'enc_v': state['enc_v'].at[self.block].set(v[:rows])}
+      rows = state['dec_in'].shape[0]
+      return k, v, {**state, 'enc_k': _with_layer(state['enc_k'], self.block, k[:rows]),
+                    'enc_v': _with_layer(state['enc_v'], self.block, v[:rows])}
     return _cached_kv(state, ('enc_k', 'enc_v'), self.block, idx, k, v)
 
 
@@ -245,8 +262,8 @@ class _DecoderHooks(BlockHooks):
       return k, v, {**state, 'it': {**state['it'], 'v_now': v}}
     if self.bound is not None:
       return _cached_kv(state, ('dec_k', 'dec_v'), self.slot, idx, k, v)
-    return k, v, {**state, 'dec_k': state['dec_k'].at[self.slot].set(k[:rows]),
-                  'dec_v': state['dec_v'].at[self.slot].set(v[:rows])}
+    return k, v, {**state, 'dec_k': _with_layer(state['dec_k'], self.slot, k[:rows]),
+                  'dec_v': _with_layer(state['dec_v'], self.slot, v[:rows])}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,7 +364,7 @@ class LazyMAR(Presets, MARPolicy):
     bucket = tuple(length if refresh[s] else padded[most[self.ratios[s]]] for s in range(num_iter))
     return dataclasses.replace(self, bound=_Bound(
         length=length, buffer=cfg.buffer_size, max_pred=sched.max_pred, refresh=refresh,
-        keep=keep, bucket=bucket, cfg=cfg))
+        keep=keep, bucket=bucket, cfg=cfg, scanned=binding.scanned))
 
   def _bound(self) -> _Bound:
     if self.bound is None:
@@ -384,11 +401,14 @@ class LazyMAR(Presets, MARPolicy):
     """Rows a cached iteration runs: the conditional half with the condition cache, else both."""
     return batch if self.condition else 2 * batch
 
-  def _kv_cache(self, rows: int, part: str) -> Array:
-    """Zero K/V of every block of the encoder or decoder: [depth, rows, L, heads, head dim]."""
+  def _kv_cache(self, rows: int, part: str):
+    """Zero K/V of every block of the encoder or decoder, [rows, L, heads, head dim] each: stacked
+    on a layer axis for a scanned sampler (a block's index is traced there), else one array per
+    block, which a cached iteration scatters into and attends over without copying it."""
     c, b = self._bound().cfg, self._bound()
     heads, depth, width = (getattr(c, f'{part}_{k}') for k in ('num_heads', 'depth', 'embed_dim'))
-    return jnp.zeros((depth, rows, b.length, heads, width // heads), c.dtype)
+    zeros = jnp.zeros((depth, rows, b.length, heads, width // heads), c.dtype)
+    return zeros if b.scanned else tuple(zeros)
 
   def begin(self, plan: IterPlan, info: IterInfo, state: dict) -> dict:
     b = self._bound()

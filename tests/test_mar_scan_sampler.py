@@ -16,7 +16,9 @@ from sampling import flags as sampling_flags
 from sampling import sampling_from_config
 from var_models.mar import model as mar_lib
 from var_models.mar.policy import IterPlan, Site
+from var_models.mar.schedule import MARSchedule, mask_schedule
 from var_models.mar.sampler import make_mar_sampler
+from var_models.nn.policy import Binding
 from var_models.nn.scan import scan_runs
 from test_mar_sampler import LABELS, MAR_CFG, VAE_CFG, _params
 
@@ -48,6 +50,21 @@ def test_scanned_lazymar_makes_the_unrolled_decisions_and_tokens(params):
   for name in ('refresh', 'kept', 'encoded', 'pred'):
     np.testing.assert_array_equal(aux_u['iterations'][name], aux_s['iterations'][name])
   np.testing.assert_allclose(aux_u['tokens'], aux_s['tokens'], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('scanned', [False, True])
+def test_lazymar_keeps_a_kv_array_per_block_unrolled_and_one_stack_scanned(scanned):
+  """Unrolled, a cached iteration scatters into and attends over each block's own K/V in place; a
+  scan indexes the blocks by a traced layer, so their K/V are one array stacked on a layer axis."""
+  schedule = MARSchedule(mask_schedule(CFG.seq_len, NUM_ITER), 4)
+  state = LazyMAR(**TINY).bind(Binding(CFG, schedule, guided=True, scanned=scanned)).init_state(2)
+  rows_l_h_d = (2, CFG.seq_len + CFG.buffer_size, CFG.encoder_num_heads, CFG.encoder_embed_dim // CFG.encoder_num_heads)
+  if scanned:
+    assert state['enc_k'].shape == (CFG.encoder_depth, *rows_l_h_d)
+    assert state['dec_k'].shape[0] == CFG.decoder_depth - TINY['similarity_block'] - 1
+  else:
+    assert [a.shape for a in state['enc_k']] == [rows_l_h_d] * CFG.encoder_depth
+    assert len(state['dec_k']) == CFG.decoder_depth - TINY['similarity_block'] - 1
 
 
 def test_scanned_lazymar_traces_with_bfloat16_compute(params):

@@ -122,7 +122,7 @@ class _MARSampler:
     self.head = diffloss_net(mar_cfg)
     self.diffusion = create_diffusion(num_diffusion_steps or mar_cfg.num_sampling_steps)
     self.schedule = MARSchedule(mask_schedule(mar_cfg.seq_len, num_iter), self.diffusion.num_timesteps)
-    self.policy = policy = policy.bind(Binding(mar_cfg, self.schedule, guided))
+    self.policy = policy = policy.bind(Binding(mar_cfg, self.schedule, guided, scanned=scan_blocks))
     self.plans = policy.plan(num_iter)
     check_plans(self.plans, num_iter)
     self.head_caches = tuple(policy.head_cache(p) for p in self.plans)

@@ -40,6 +40,7 @@ class Binding:
   model: Any       # the family's model config: VARConfig, MARConfig, ECARConfig
   schedule: Any    # VAR's ScaleSchedule, MAR's MARSchedule (mar/schedule.py), E-CAR's Euler steps per stage
   guided: bool     # classifier-free guidance: the sampler runs a [cond; uncond] doubled batch
+  scanned: bool = False   # runs of alike blocks as one scan: a block's state indexed by a traced layer
 
 
 class Halves(NamedTuple):

@@ -51,10 +51,10 @@ class Site(NamedTuple):
   step: Step
 
 
-def var_binding(var_cfg: VARConfig) -> Binding:
+def var_binding(var_cfg: VARConfig, scanned: bool = False) -> Binding:
   """What the sampler of var_cfg binds its policy to: the config, its schedule,
-  guided (VAR doubles the batch for CFG)."""
-  return Binding(model=var_cfg, schedule=var_cfg.schedule, guided=True)
+  guided (VAR doubles the batch for CFG), and whether its blocks run as scans."""
+  return Binding(model=var_cfg, schedule=var_cfg.schedule, guided=True, scanned=scanned)
 
 
 class ScalePolicy(Policy):

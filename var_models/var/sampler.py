@@ -110,7 +110,7 @@ class _Sampler:
     self.var_cfg = var_cfg
     self.model, self.vq = VAR(var_cfg), VQVAE(vq_cfg)
     self.sched = var_cfg.schedule
-    self.policy = policy.bind(var_binding(var_cfg))
+    self.policy = policy.bind(var_binding(var_cfg, scan_blocks))
     self.steps = self.policy.plan(self.sched)
     check_plan(self.steps, self.sched)
     self.return_fhats, self.return_logits = return_fhats, return_logits
