@@ -193,15 +193,14 @@ def _cached_kv(state: dict, names: tuple[str, str], layer, idx: Array, k: Array,
   positions idx [rows, k] written at layer `layer` of the caches state[names] -> (that layer's K,
   V [rows, L, H, D], state with the caches). Both write in place; a stacked cache's layer is then
   read out (a copy), a block's own array is read as it is."""
-  out, caches = [], {}
+  caches = {}
   for n, a in zip(names, (k, v)):
-    if isinstance(state[n], tuple):
-      out.append(tok.scatter(state[n][layer], idx, a))
-      caches[n] = _with_layer(state[n], layer, out[-1])
+    cache = state[n]
+    if isinstance(cache, tuple):
+      caches[n] = _with_layer(cache, layer, tok.scatter(cache[layer], idx, a))
     else:
-      caches[n] = tok.scatter_layer(state[n], layer, idx, a)
-      out.append(caches[n][layer])
-  return out[0], out[1], {**state, **caches}
+      caches[n] = tok.scatter_layer(cache, layer, idx, a)
+  return caches[names[0]][layer], caches[names[1]][layer], {**state, **caches}
 
 
 class _EncoderHooks(BlockHooks):
