@@ -46,6 +46,7 @@ from ecar.config import ECARConfig
 from ecar.flow import up2
 from ecar.layers import DiTBlock, FinalLayer, patchify, unpatchify
 from var_models.nn import attention as attn_lib
+from var_models.nn import tokens as tok
 from var_models.nn.blocks import BlockHooks, merged_dense, merged_modulations, split_modulations
 from var_models.nn.timestep import TimestepEmbedder
 from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
@@ -99,7 +100,7 @@ class ARTransformer(nn.Module):
       x, kv, state = block(x, mask=mask, kv=None if kvs is None else kvs[i],
                            hooks=None if hooks is None else hooks[i], state=state)
       new_kvs.append(kv)
-    return x, (None if kvs is None else new_kvs), state
+    return tok.dense(x), (None if kvs is None else new_kvs), state
 
   def output(self, h: Array) -> Array:
     """Final LayerNorm (float32): the token maps r [B, l, C]."""

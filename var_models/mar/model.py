@@ -236,7 +236,7 @@ class MAR(nn.Module):
             for name, blocks in (('encoder', self.encoder_blocks), ('decoder', self.decoder_blocks))}
 
   def _run(self, blocks, x: Array, mask: attn_lib.Mask, train: bool, hooks, state, scan: bool, stacked):
-    """The blocks in turn on x -> (x, state); with `scan` (sampling), each run of consecutive
+    """The blocks in turn on x [B, l, C] -> (x, state); with `scan` (sampling), each run of consecutive
     blocks that compute alike (no hooks, or hooks of one `scan_group`) as one `lax.scan`
     (`scan_blocks`, over `stacked` when given) carrying the whole state, its first block's hooks
     `for_layer` standing for each; the other blocks one by one."""
@@ -254,9 +254,9 @@ class MAR(nn.Module):
       def call(block, i, carry, _):
         h, s = carry
         h, _, s = block(h, mask=mask, hooks=None if template is None else template.for_layer(i), state=s)
-        return (h, s), None
-      (x, state), _ = scan_blocks(blocks, run, (x, state), None, call, stacked)
-    return x, state
+        return (tok.dense(h), s), None
+      (x, state), _ = scan_blocks(blocks, run, (tok.dense(x), state), None, call, stacked)
+    return tok.dense(x), state
 
   # ---- the pieces of the encoder and decoder (samplers call them with policy hooks) ----
 

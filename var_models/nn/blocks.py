@@ -146,16 +146,26 @@ def residual(module: nn.Module, x: Array, branch: Callable, site: str, hooks: Op
   the tokens h it is given, idx [B, k] their positions in x (None: all of x), and
   may carry the policy's `state` (an attention sub-layer hands it to `hooks.kv`).
   With hooks, only the tokens `hooks.select` picks are forwarded and
-  `hooks.restore` fills in the others; with `BlockHooks.restore`'s zeros, the forwarded tokens'
-  outputs are added at their positions alone (`tok.scatter_add`). Returns (x, aux, state).
+  `hooks.restore` fills in the others. With `BlockHooks.restore`'s zeros, only the forwarded
+  tokens change: x comes back as `tok.Rows` (their new values beside the stream), and the next
+  sub-layer that forwards the same idx (the same array) takes those rows as they are; a stack
+  of blocks ends with `tok.dense`. x: [B, N, C] or `tok.Rows`. Returns (x, aux, state).
   """
   if hooks is None:
+    x = tok.dense(x)
     y, aux, state = branch(x, None, state)
     return x + drop_path(y, drop_path_rate, deterministic, module), aux, state
-  idx, state = hooks.select(site, x, state)
-  y, aux, state = branch(x if idx is None else tok.gather(x, idx), idx, state)
+  idx, state = hooks.select(site, tok.dense(x), state)
   if idx is not None and type(hooks).restore is BlockHooks.restore:
-    return tok.scatter_add(x, idx, drop_path(y, drop_path_rate, deterministic, module)), aux, state
+    if not (isinstance(x, tok.Rows) and x.idx is idx):
+      x = tok.dense(x)
+      x = tok.Rows(x, idx, tok.gather(x, idx))
+    y, aux, state = branch(x.rows, idx, state)
+    y = drop_path(y, drop_path_rate, deterministic, module)
+    dtype = jnp.result_type(x.rows, y)
+    return tok.Rows(x.stale.astype(dtype), idx, x.rows.astype(dtype) + y.astype(dtype)), aux, state
+  x = tok.dense(x)
+  y, aux, state = branch(x if idx is None else tok.gather(x, idx), idx, state)
   y, state = hooks.restore(site, y, idx, x, state)
   return x + drop_path(y, drop_path_rate, deterministic, module), aux, state
 

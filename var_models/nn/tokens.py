@@ -4,6 +4,8 @@ Plain-jnp versions; `pallas_kernels` provides fused GPU ones with the same contr
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Union
+
 import jax
 import jax.numpy as jnp
 
@@ -20,13 +22,19 @@ def scatter(base: jax.Array, idx: jax.Array, y: jax.Array) -> jax.Array:
   return base.at[b, idx].set(y.astype(base.dtype))
 
 
-def scatter_add(base: jax.Array, idx: jax.Array, y: jax.Array) -> jax.Array:
-  """base [B, N, C] with y [B, k, C] added at idx [B, k] (distinct, or out of range and dropped),
-  in their promoted dtype: base + scatter(zeros, idx, y) without the zeros, in place when base is
-  not read again."""
-  dtype = jnp.result_type(base, y)
-  b = jnp.arange(base.shape[0])[:, None]
-  return base.astype(dtype).at[b, idx].add(y.astype(dtype))
+class Rows(NamedTuple):
+  """A residual stream [B, N, C] held as `stale` [B, N, C] with its tokens at idx [B, k] (distinct,
+  or out of range and dropped) replaced by `rows` [B, k, C]: what a sub-layer that forwarded those
+  tokens leaves (`blocks.residual`), so that the next one forwarding the same idx takes `rows` as
+  they are, without a scatter into the stream and a gather back out of it."""
+  stale: jax.Array
+  idx: jax.Array
+  rows: jax.Array
+
+
+def dense(x: Union[jax.Array, Rows]) -> jax.Array:
+  """The residual stream x [B, N, C] as one array: a `Rows`'s rows written at their positions."""
+  return scatter(x.stale, x.idx, x.rows) if isinstance(x, Rows) else x
 
 
 def scatter_layer(stack: jax.Array, layer, idx: jax.Array, y: jax.Array) -> jax.Array:

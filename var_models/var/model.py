@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from var_models.nn import attention as attn_lib
+from var_models.nn import tokens as tok
 from var_models.nn.blocks import AdaLNBeforeHead, AdaLNSelfAttn, BlockHooks, scaled, trunc_normal
 from var_models.nn.scan import hooks_group, scan_blocks, scan_runs
 from var_models.var.schedules import ScaleSchedule, VAR_256
@@ -172,7 +173,7 @@ class VAR(nn.Module):
                            hooks=None if hooks is None else hooks[i], state=state,
                            deterministic=deterministic)
       new_kvs.append(kv)
-    return x, (None if kvs is None else new_kvs), state
+    return tok.dense(x), (None if kvs is None else new_kvs), state
 
   def _run_layer_caches(self, x: Array, mods: Sequence[Array], mask: attn_lib.Mask,
                         kvs: attn_lib.LayerKVCaches, hooks, state):
@@ -185,10 +186,10 @@ class VAR(nn.Module):
         x, kv, state = self.blocks[i](x, mods[i], mask=mask, kv=kvs.layer(i), hooks=run_hooks[0], state=state)
         kvs, lengths[i] = kvs.put(i, kv), kv.length
         continue
-      x, kvs, state, length = self._scan_run(run, run_hooks, x, mods, mask, kvs, state)
+      x, kvs, state, length = self._scan_run(run, run_hooks, tok.dense(x), mods, mask, kvs, state)
       for i in run:
         lengths[i] = length
-    return x, kvs.with_lengths(tuple(lengths)), state
+    return tok.dense(x), kvs.with_lengths(tuple(lengths)), state
 
   def _scan_run(self, run: list[int], run_hooks: list, x: Array, mods: Sequence[Array], mask: attn_lib.Mask,
                 kvs: attn_lib.LayerKVCaches, state):
@@ -212,7 +213,7 @@ class VAR(nn.Module):
       if template is not None:
         shared = {k: v for k, v in out.items() if k not in names[0]}
         own = {t: out[t] for t in names[0] if t in out}
-      return (x, caches.put(i, kv, length), shared), own
+      return (tok.dense(x), caches.put(i, kv, length), shared), own
     (x, kvs, state), own = scan_blocks(self.blocks, run, (x, kvs, shared),
                                        (jnp.stack([mods[i] for i in run]), given), call)
     for j, t in enumerate(names[0]):
