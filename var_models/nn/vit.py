@@ -1,7 +1,8 @@
 """The pre-LayerNorm ViT block with timm's `vision_transformer.Block` semantics.
 
 x + Attn(LN(x)), then x + MLP(LN(x)); qkv packs (q, k, v) x heads x head_dim on
-its output axis as timm does, the MLP uses exact (erf) GELU, and dropout sits on
+its output axis as timm does, the MLP uses exact (erf) GELU (`gelu_exact`: in float32, as
+torch computes it on bfloat16 too), and dropout sits on
 the attention probabilities, after the attention projection, after the MLP's
 activation and after fc2. Parameter names mirror timm's (norm1, attn/qkv,
 attn/proj, norm2, mlp/fc1, mlp/fc2) so converters map keys one to one. Both
@@ -65,6 +66,30 @@ class Attention(nn.Module):
     return self.drop(self.proj(out.reshape(b, l, c)), deterministic=deterministic), kv, state
 
 
+def _gelu_float32(x: Array) -> Array:
+  return jax.nn.gelu(x.astype(jnp.float32), approximate=False)
+
+
+@jax.custom_vjp
+def gelu_exact(x: Array) -> Array:
+  """Exact (erf) GELU as torch computes it on any dtype: in float32, rounded once to x's dtype.
+  The backward recomputes it from x alone, so training keeps one tensor of x's dtype per call
+  (autodiff of the float32 form would keep three float32 intermediates). [...] -> [...]"""
+  return _gelu_float32(x).astype(x.dtype)
+
+
+def _gelu_exact_forward(x: Array):
+  return gelu_exact(x), x
+
+
+def _gelu_exact_backward(x: Array, grad: Array):
+  _, vjp = jax.vjp(_gelu_float32, x.astype(jnp.float32))
+  return (vjp(grad.astype(jnp.float32))[0].astype(x.dtype),)
+
+
+gelu_exact.defvjp(_gelu_exact_forward, _gelu_exact_backward)
+
+
 class Mlp(nn.Module):
   """fc1 -> exact GELU -> dropout -> fc2 -> dropout. [B, l, C] -> [B, l, C]."""
   width: int
@@ -79,7 +104,7 @@ class Mlp(nn.Module):
     self.dropout = nn.Dropout(self.drop)
 
   def __call__(self, x: Array, deterministic: bool = True) -> Array:
-    x = self.dropout(nn.gelu(self.fc1(x), approximate=False), deterministic=deterministic)
+    x = self.dropout(gelu_exact(self.fc1(x)), deterministic=deterministic)
     return self.dropout(self.fc2(x), deterministic=deterministic)
 
 
