@@ -151,23 +151,21 @@ def residual(module: nn.Module, x: Array, branch: Callable, site: str, hooks: Op
   sub-layer that forwards the same idx (the same array) takes those rows as they are; a stack
   of blocks ends with `tok.dense`. x: [B, N, C] or `tok.Rows`. Returns (x, aux, state).
   """
+  dense = tok.dense(x)   # traced once; XLA drops it where only kept rows are read
   if hooks is None:
-    x = tok.dense(x)
-    y, aux, state = branch(x, None, state)
-    return x + drop_path(y, drop_path_rate, deterministic, module), aux, state
-  idx, state = hooks.select(site, tok.dense(x), state)
+    y, aux, state = branch(dense, None, state)
+    return dense + drop_path(y, drop_path_rate, deterministic, module), aux, state
+  idx, state = hooks.select(site, dense, state)
   if idx is not None and type(hooks).restore is BlockHooks.restore:
     if not (isinstance(x, tok.Rows) and x.idx is idx):
-      x = tok.dense(x)
-      x = tok.Rows(x, idx, tok.gather(x, idx))
+      x = tok.Rows(dense, idx, tok.gather(dense, idx))
     y, aux, state = branch(x.rows, idx, state)
     y = drop_path(y, drop_path_rate, deterministic, module)
     dtype = jnp.result_type(x.rows, y)
     return tok.Rows(x.stale.astype(dtype), idx, x.rows.astype(dtype) + y.astype(dtype)), aux, state
-  x = tok.dense(x)
-  y, aux, state = branch(x if idx is None else tok.gather(x, idx), idx, state)
-  y, state = hooks.restore(site, y, idx, x, state)
-  return x + drop_path(y, drop_path_rate, deterministic, module), aux, state
+  y, aux, state = branch(dense if idx is None else tok.gather(dense, idx), idx, state)
+  y, state = hooks.restore(site, y, idx, dense, state)
+  return dense + drop_path(y, drop_path_rate, deterministic, module), aux, state
 
 
 def concat_dense(layers) -> tuple[Array, Array]:

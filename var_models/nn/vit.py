@@ -1,12 +1,11 @@
 """The pre-LayerNorm ViT block with timm's `vision_transformer.Block` semantics.
 
 x + Attn(LN(x)), then x + MLP(LN(x)); qkv packs (q, k, v) x heads x head_dim on
-its output axis as timm does, the MLP uses exact (erf) GELU (`gelu_exact`: in float32, as
-torch computes it on bfloat16 too), and dropout sits on
-the attention probabilities, after the attention projection, after the MLP's
-activation and after fc2. Parameter names mirror timm's (norm1, attn/qkv,
-attn/proj, norm2, mlp/fc1, mlp/fc2) so converters map keys one to one. Both
-sub-layers go through `blocks.residual`, the policy hook point.
+its output axis as timm does, the MLP uses exact (erf) GELU (`gelu_exact`: in float32,
+as torch computes it on bfloat16 too), and dropout sits on the attention probabilities,
+after the attention projection, after the MLP's activation and after fc2. Parameter names
+mirror timm's (norm1, attn/qkv, attn/proj, norm2, mlp/fc1, mlp/fc2) so converters map keys
+one to one. Both sub-layers go through `blocks.residual`, the policy hook point.
 """
 from __future__ import annotations
 
