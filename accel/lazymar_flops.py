@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from accel.lazymar import LazyMAR
 from var_models.flop_count import flops
-from var_models.mar.diffloss import diffloss_sample, diffloss_sample_cached
+from var_models.mar.diffloss import diffloss_sample, diffloss_sample_cached, head_adaln
 from var_models.mar.flops import KEY, decode_flops, polynomial, sds
 from var_models.mar.gaussian_diffusion import create_diffusion
 from var_models.mar.model import MAR, MARConfig, diffloss_net, init_params
@@ -173,11 +173,15 @@ def _head(cfg: MARConfig, policy: LazyMAR, num_steps: int):
   net, diffusion, params = diffloss_net(cfg), create_diffusion(str(num_steps)), _model(cfg)[1]['diffloss']
   cache = policy.head_cache(IterPlan())   # the same at every iteration
 
+  # The adaLN weights, merged once per call by the sampler, come in merged (not counted).
+  adaln = jax.eval_shape(lambda p: head_adaln(net, p, cache, num_steps), params)
+
   def count(n: int) -> float:
     z = sds(2 * n, cfg.decoder_embed_dim)
     if cache is None:
-      return flops(lambda p, z, k: diffloss_sample(net, p, z, k, 1.0, 2.0, guided=True, diffusion=diffusion),
-                   params, z, KEY)
-    return flops(lambda p, z, x: diffloss_sample_cached(net, p, z, x, lambda i: jnp.zeros_like(x), 1.0, 2.0,
-                                                        cache, diffusion), params, z, sds(n, cfg.token_embed_dim))
+      return flops(lambda p, a, z, k: diffloss_sample(net, p, z, k, 1.0, 2.0, guided=True, diffusion=diffusion,
+                                                      adaln=a[None]), params, adaln, z, KEY)
+    return flops(lambda p, a, z, x: diffloss_sample_cached(net, p, z, x, lambda i: jnp.zeros_like(x), 1.0, 2.0,
+                                                           cache, diffusion, a),
+                 params, adaln, z, sds(n, cfg.token_embed_dim))
   return polynomial(count, (1, 2))

@@ -93,7 +93,7 @@ def test_head_cache_alone_against_a_hand_count_of_its_steps():
   assert got['head'] == pytest.approx(cfg.seq_len * per_token, rel=1e-9)
   # The full step's hand count is the denoiser's traced one.
   net, params = mar_lib.diffloss_net(cfg), init_diffloss(cfg.diffloss_config(), jax.random.key(0))
-  traced = flops(lambda p, x, t, c: net.apply({'params': p}, x, t, c, merged_adaln(p)), params,
+  traced = flops(lambda p, a, x, t, c: net.apply({'params': p}, x, t, c, a), params, merged_adaln(params),
                  jax.ShapeDtypeStruct((1, cfg.token_embed_dim), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32),
                  jax.ShapeDtypeStruct((1, cfg.decoder_embed_dim), jnp.float32))
   assert traced == full_step

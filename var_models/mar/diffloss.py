@@ -42,17 +42,23 @@ class ResBlock(nn.Module):
   @nn.compact
   def __call__(self, x: Array, y: Array, mod: Optional[Array] = None, hooks: Optional['HeadHooks'] = None,
                index: int = 0, state: Any = None):
-    """mod [N, 3w]: this block's adaLN output when the caller computed it (see `merged_adaln`), or
-    [N, w], its gate alone, for hooks that never run the MLP (`HeadHooks.needs_mlp`).
+    """mod [N, 3w]: this block's merged adaLN output when the caller computed it (`merged_adaln`:
+    the shift through mlp_0's kernel, the scale, the gate), or [N, w], its gate alone, for hooks
+    that never run the MLP (`HeadHooks.needs_mlp`); None: the block's own adaLN Linear.
     With `hooks` (a sampling policy's, see `HeadHooks`) returns (x, state), else x."""
+    fc1 = _dense(self.width, 'mlp_0', self.dtype)
     if mod is None:
-      mod = _dense(3 * self.width, 'adaLN_modulation_1', self.dtype, _zeros)(nn.silu(y))
-    shift, scale, gate = (None, None, mod) if mod.shape[-1] == self.width else jnp.split(mod, 3, axis=-1)
+      shift, scale, gate = jnp.split(_dense(3 * self.width, 'adaLN_modulation_1', self.dtype, _zeros)(nn.silu(y)), 3, axis=-1)
+      first = lambda h: fc1(modulate(h, scale, shift))
+    elif mod.shape[-1] == self.width:
+      gate = mod
+    else:   # (h * (1 + scale) + shift) @ W + b as (h * (1 + scale)) @ W + b + shift @ W
+      shift_w, scale, gate = jnp.split(mod, 3, axis=-1)
+      first = lambda h: fc1(h * (1 + scale)) + shift_w
 
     def mlp():
       h = nn.LayerNorm(epsilon=1e-6, use_fast_variance=False, dtype=self.dtype, name='in_ln')(x)
-      h = _dense(self.width, 'mlp_0', self.dtype)(modulate(h, scale, shift))
-      return _dense(self.width, 'mlp_2', self.dtype)(nn.silu(h))
+      return _dense(self.width, 'mlp_2', self.dtype)(nn.silu(first(h)))
 
     if hooks is None:
       return x + gate * mlp()
@@ -94,12 +100,20 @@ class FinalLayer(nn.Module):
 def merged_adaln(params, blocks: Optional[Sequence[int]] = None, gates_only: bool = False) -> tuple[Array, Array]:
   """The adaLN Linears of the res blocks `blocks` (default: all) and of the final layer, concatenated
   (they all read the same SiLU(y)): (kernel [w, (3 len(blocks) + 2) w], bias), see `concat_dense`.
+  A block's shift columns come multiplied by its mlp_0 kernel (`ResBlock` adds shift @ W after
+  mlp_0 rather than shift before it: the same map, and a sampling step has no separate add of the
+  shift, which XLA could not fuse into the LayerNorm's kernel).
   gates_only: of the blocks' Linears only the gate's columns (kernel [w, (len(blocks) + 2) w])."""
   if blocks is None:
     blocks = range(sum(1 for k in params if k.startswith('res_blocks_')))
-  layers = [params[f'res_blocks_{i}']['adaLN_modulation_1'] for i in blocks]
-  if gates_only:   # (shift, scale, gate) are the Linear's three equal column blocks
-    layers = [{k: v[..., 2 * v.shape[-1] // 3:] for k, v in layer.items()} for layer in layers]
+  layers = []
+  for i in blocks:   # (shift, scale, gate) are the Linear's three equal column blocks
+    layer, w = params[f'res_blocks_{i}']['adaLN_modulation_1'], params[f'res_blocks_{i}']['mlp_0']['kernel']
+    c = w.shape[0]
+    through = lambda a: jnp.matmul(a[..., :c], w, precision=jax.lax.Precision.HIGHEST,
+                                   preferred_element_type=jnp.float32).astype(a.dtype)
+    layers.append({k: v[..., 2 * c:] for k, v in layer.items()} if gates_only else
+                  {k: jnp.concatenate([through(v), v[..., c:]], axis=-1) for k, v in layer.items()})
   return concat_dense(layers + [params['final_layer']['adaLN_modulation_1']])
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from var_models.flop_count import flops
-from var_models.mar.diffloss import diffloss_sample
+from var_models.mar.diffloss import diffloss_sample, merged_adaln
 from var_models.mar.gaussian_diffusion import create_diffusion
 from var_models.mar.model import MAR, MARConfig, diffloss_net, init_params
 from var_models.mar.schedule import mask_schedule
@@ -41,10 +41,12 @@ def sampling_flops(cfg: MARConfig, vae_cfg: AutoencoderKLConfig, *, num_iter: in
     return flops(run, params, sds(rows, cfg.seq_len, cfg.token_embed_dim), sds(rows, cfg.encoder_embed_dim),
                  jax.ShapeDtypeStruct((rows, cfg.buffer_size + known), jnp.int32))
 
-  def head(n: int) -> float:
+  def head(n: int) -> float:   # its adaLN weights merged once per call by the sampler, not counted here
     net, diffusion = diffloss_net(cfg), create_diffusion(str(num_steps))
-    return flops(lambda p, z, k: diffloss_sample(net, p, z, k, 1.0, 2.0, guided=guided, diffusion=diffusion),
-                 params['diffloss'], sds(rows * n, cfg.decoder_embed_dim), KEY)
+    adaln = jax.eval_shape(merged_adaln, params['diffloss'])
+    return flops(lambda p, a, z, k: diffloss_sample(net, p, z, k, 1.0, 2.0, guided=guided, diffusion=diffusion,
+                                                    adaln=a),
+                 params['diffloss'], adaln, sds(rows * n, cfg.decoder_embed_dim), KEY)
 
   # The encoder's count is quadratic in its token count (Linears linear, attention quadratic) and
   # the head's linear in its rows, so a few traced sizes give every iteration's count exactly.
