@@ -140,7 +140,9 @@ class _HeadCache(HeadCache):
     return tuple(kind(num_steps - 1 - j) for j in range(num_steps))
 
   def init_state(self, rows: int, width: int, depth: int, channels: int) -> dict:
-    zeros = jnp.zeros((depth, rows, width), self.dtype)
+    """'mlp' and 'delta': one [rows, width] array per block (a step's write is the value its
+    block computes, not an update of a stack), 'cfg' [rows, channels]."""
+    zeros = (jnp.zeros((rows, width), self.dtype),) * depth
     return {'mlp': zeros, 'delta': zeros, 'cfg': jnp.zeros((rows, channels), jnp.float32)}
 
   def uncond(self, kind: str) -> bool:
@@ -170,19 +172,19 @@ class _HeadHooks(HeadHooks):
     return x + state['delta'][index], state
 
   def res_block(self, index, x, gate, mlp, state):
-    rows = state['mlp'].shape[1]
+    rows = state['mlp'][index].shape[0]
     if self.kind == 'cached':
       return x + gate * state['mlp'][index], state
     h = mlp()
     out = x + gate * h
     if index in self.replayed:
-      return out, {**state, 'delta': state['delta'].at[index].set((out - x)[:rows])}
-    return out, {**state, 'mlp': state['mlp'].at[index].set(h[:rows])}
+      return out, {**state, 'delta': _with_layer(state['delta'], index, (out - x)[:rows])}
+    return out, {**state, 'mlp': _with_layer(state['mlp'], index, h[:rows])}
 
 
 def _with_layer(cache, layer, value: Array):
-  """A K/V cache (a tuple of one [rows, L, H, D] array per block, or one array stacked on a layer
-  axis) with layer `layer` replaced by value."""
+  """A per-block cache (a tuple of one array per block, or one array stacked on a layer axis: the
+  K/V caches, the head's MLP outputs and deltas) with layer `layer` replaced by value."""
   if isinstance(cache, tuple):
     return cache[:layer] + (value,) + cache[layer + 1:]
   return cache.at[layer].set(value)
