@@ -15,8 +15,8 @@ attention on both sides; cfg 1.5, top-k 900, top-p 0.96):
   smoke       -- a 2-block VAR at 256 px, for checking this script on a CPU (--attn xla).
 --scan on / both: the VAR samplers with each scale's runs of alike blocks (no hooks, or a
 policy's hooks of one scan group) as one `lax.scan` (`make_sampler(..., scan_blocks=True)`), and
-the MAR samplers with their encoder's and decoder's (config.sample.scan_blocks), as rows
-'spec@scan'. --xla 'a=1;b=true': every sampler compiled again under each set of XLA options,
+the MAR samplers with their encoder's and decoder's, the E-CAR samplers with their AR's and
+denoisers' (config.sample.scan_blocks), as rows 'spec@scan'. --xla 'a=1;b=true': every sampler compiled again under each set of XLA options,
 as rows 'spec xla1', 'spec xla2', ... (the first set, '' by default, is XLA's defaults; a list
 value stays whole: ';xla_gpu_enable_command_buffer=FUSION,CUBLAS').
 Every sampler is lowered in turn and compiled in a pool of --compile_workers threads (compile
@@ -311,9 +311,8 @@ def family_main(args) -> None:
       label = f'{label} {variant}' if len(variants) > 1 else label
       family = family_from_config(config, overrides=overrides)
       makes = {'': family.make}
-      if config.family == 'mar':
-        makes['scan'] = sampling_from_config(config, {**overrides, 'scan_blocks': True}).make
-      names = sampler_names(specs, args.scan if len(makes) > 1 else 'off', len(xla))
+      makes['scan'] = sampling_from_config(config, {**overrides, 'scan_blocks': True}).make
+      names = sampler_names(specs, args.scan, len(xla))
       for batch, name in itertools.product(batches, names):
         spec, _, scan = name.split(' ')[0].partition('@')
         sample = makes[scan](policy_from_spec(spec, family.name))

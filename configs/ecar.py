@@ -46,7 +46,9 @@ E-CAR's equal partition of the time interval. `gradnorm`: Chen et al.'s
 alpha 1.5, on the AR's final LayerNorm (the last layer all stages share); the
 weights' own Adam learning rate (1e-3; 1e-2 for tiny's short runs) is ours.
 `sample`: 250 Euler steps in all, a third per stage
-(the paper's evaluation); the paper gives no CFG scale: 1.5 (DiT's FID setting).
+(the paper's evaluation); the paper gives no CFG scale: 1.5 (DiT's FID setting);
+scan_blocks: the AR's and each denoiser's blocks as one lax.scan (compiles once
+per run of blocks; benchmarks/RESULTS.md has its run time).
 `vae_ckpt` names the frozen SDXL VAE (`python -m var_models.convert sdxl-vae`);
 empty = random.
 """
@@ -83,7 +85,7 @@ def _paper(variant: str, patch_size: int = 4) -> ml_collections.ConfigDict:
   c.gradnorm = ml_collections.ConfigDict(dict(lr=1e-3, alpha=1.5, layer='ar/norm', min_weight=1e-3))
   c.dtype = 'float32'            # compute dtype (TF32 matmuls on NVIDIA GPUs); parameters stay float32
   c.attn_backend = 'cudnn'       # 'xla' runs everywhere; 'cudnn' needs an NVIDIA GPU
-  c.sample = ml_collections.ConfigDict(dict(num_steps=250, cfg=1.5, seed=0, batch_size=16))
+  c.sample = ml_collections.ConfigDict(dict(num_steps=250, cfg=1.5, seed=0, batch_size=16, scan_blocks=False))
   c.train = common.train_config(steps=steps, batch_size=256, lr=1e-4, b1=0.9, b2=0.999, weight_decay=0.0,
                                 schedule='constant', grad_clip=0.0, ema_decay=0.9999)
   c.data = common.data_config(source='imagenet', crop='center', hflip=True)

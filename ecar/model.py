@@ -35,7 +35,7 @@ Choices where the paper is silent:
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import flax.linen as nn
 import jax
@@ -48,6 +48,7 @@ from ecar.layers import DiTBlock, FinalLayer, patchify, unpatchify
 from var_models.nn import attention as attn_lib
 from var_models.nn import tokens as tok
 from var_models.nn.blocks import BlockHooks, merged_dense, merged_modulations, split_modulations
+from var_models.nn.scan import cache_runs, scan_blocks, stack_layers
 from var_models.nn.timestep import TimestepEmbedder
 from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
 
@@ -91,16 +92,44 @@ class ARTransformer(nn.Module):
     return x + self.pos_embed[:, begin:end] + self.stage_emb(jnp.int32(stage))
 
   def run_blocks(self, x: Array, *, mask: attn_lib.Mask = None,
-                 kvs: Optional[Sequence[attn_lib.KVCache]] = None,
+                 kvs: Union[None, Sequence[attn_lib.KVCache], attn_lib.LayerKVCaches] = None,
                  hooks: Optional[Sequence[Optional[BlockHooks]]] = None, state: Any = None):
-    """All blocks on x [B, l, C] -> (h [B, l, C], kvs, state)."""
+    """All blocks on x [B, l, C] -> (h [B, l, C], kvs, state). `kvs`: None (training), one
+    KVCache per block, or `LayerKVCaches` (sampling, `_run_scanned`)."""
     x = x.astype(self.cfg.dtype)
+    if isinstance(kvs, attn_lib.LayerKVCaches):
+      return self._run_scanned(x, mask, kvs, hooks, state)
     new_kvs = []
     for i, block in enumerate(self.blocks):
       x, kv, state = block(x, mask=mask, kv=None if kvs is None else kvs[i],
                            hooks=None if hooks is None else hooks[i], state=state)
       new_kvs.append(kv)
     return tok.dense(x), (None if kvs is None else new_kvs), state
+
+  def _run_scanned(self, x: Array, mask: attn_lib.Mask, kvs: attn_lib.LayerKVCaches, hooks, state):
+    """`run_blocks` over stacked caches: each run of consecutive blocks that compute alike with
+    caches of one length (`scan.cache_runs`) as one `lax.scan` carrying the whole state, its first
+    block's hooks `for_layer` standing for each (a policy bound with `scanned` indexes its
+    per-block state by the traced layer); the other blocks one by one."""
+    hook = lambda i: None if hooks is None else hooks[i]
+    lengths = list(kvs.lengths)
+    for run in cache_runs(hooks, kvs.lengths):
+      if len(run) == 1:
+        x, kv, state = self.blocks[run[0]](x, mask=mask, kv=kvs.layer(run[0]), hooks=hook(run[0]), state=state)
+        kvs, lengths[run[0]] = kvs.put(run[0], kv), kv.length
+        continue
+      template, length, new_length = hook(run[0]), kvs.lengths[run[0]], []
+
+      def call(block, i, carry, _):
+        h, caches, s = carry
+        h, kv, s = block(h, mask=mask, kv=caches.layer(i, length, h.shape[1]), state=s,
+                         hooks=None if template is None else template.for_layer(i))
+        new_length.append(kv.length)
+        return (tok.dense(h), caches.put(i, kv, length), s), None
+      (x, kvs, state), _ = scan_blocks(self.blocks, run, (tok.dense(x), kvs, state), None, call)
+      for i in run:
+        lengths[i] = new_length[0]
+    return tok.dense(x), kvs.with_lengths(tuple(lengths)), state
 
   def output(self, h: Array) -> Array:
     """Final LayerNorm (float32): the token maps r [B, l, C]."""
@@ -144,12 +173,13 @@ class Denoiser(nn.Module):
     (constant over a stage's Euler steps, so the sampler computes it once)."""
     return self.cond_proj(r)
 
-  def velocity(self, x: Array, timestep: Array, cond: Array,
-               adaln: Optional[tuple[Array, Array]] = None, ahead: Optional[Array] = None) -> Array:
+  def velocity(self, x: Array, timestep: Array, cond: Array, adaln: Optional[tuple[Array, Array]] = None,
+               ahead: Optional[Array] = None, stacked: Any = None) -> Array:
     """x [B, g, g, D], timestep [B], cond [B, N_s, W] from `condition` -> velocity [B, g, g, D] float32.
     adaln: `layers.merged_adaln` of this denoiser's params, to run every adaLN Linear as one GEMM;
     ahead: that GEMM's output for this call's (timestep, cond) [B, N_s, sum], computed before the
-    flow loop (`adaln_outputs`): timestep and cond are then not read."""
+    flow loop (`adaln_outputs`): timestep and cond are then not read. stacked: `stacked_blocks()`,
+    made outside the flow loop, to run the blocks as one `lax.scan` over them."""
     cfg = self.cfg
     h = self.x_embed(patchify(x.astype(jnp.float32), cfg.patch_size)) + self.pos_embed
     c = None if ahead is not None else cond + self.t_embed(timestep)[:, None]
@@ -158,10 +188,20 @@ class Denoiser(nn.Module):
       mods = split_modulations(ahead, 6 * cfg.den_width, len(self.blocks))
     elif adaln is not None:
       mods = merged_modulations(c, adaln, 6 * cfg.den_width, len(self.blocks), cfg.dtype)
-    for block, mod in zip(self.blocks, mods):
-      h = block(h, c, mod)
+    if stacked is not None:
+      xs = None if mods[0] is None else jnp.stack(mods[:-1])
+      h, _ = scan_blocks(self.blocks, list(range(len(self.blocks))), h, xs,
+                         lambda block, i, h, mod: (block(h, c, mod), None), stacked)
+    else:
+      for block, mod in zip(self.blocks, mods):
+        h = block(h, c, mod)
     out = self.final(h, c, mods[-1]).astype(jnp.float32)
     return unpatchify(out, cfg.patch_size, cfg.stage_sizes[self.stage])
+
+  def stacked_blocks(self) -> Any:
+    """The blocks' parameters on a leading layer axis, for a sampler to stack once, outside its
+    flow loop (XLA would restack them at every step), and hand to `velocity` (`stacked`)."""
+    return stack_layers([b.variables['params'] for b in self.blocks])
 
   def adaln_outputs(self, timesteps: Array, cond: Array, adaln: tuple[Array, Array]) -> Array:
     """The merged adaLN GEMM of every Euler step at once: timesteps [S], cond [B, N_s, W] ->
@@ -209,8 +249,12 @@ class ECAR(nn.Module):
     return self.denoiser[stage].condition(r)
 
   def den_velocity(self, stage: int, x: Array, timestep: Array, cond: Array,
-                   adaln: Optional[tuple[Array, Array]] = None, ahead: Optional[Array] = None) -> Array:
-    return self.denoiser[stage].velocity(x, timestep, cond, adaln, ahead)
+                   adaln: Optional[tuple[Array, Array]] = None, ahead: Optional[Array] = None,
+                   stacked: Any = None) -> Array:
+    return self.denoiser[stage].velocity(x, timestep, cond, adaln, ahead, stacked)
+
+  def den_stacked_blocks(self, stage: int) -> Any:
+    return self.denoiser[stage].stacked_blocks()
 
   def den_adaln_outputs(self, stage: int, timesteps: Array, cond: Array, adaln: tuple[Array, Array]) -> Array:
     return self.denoiser[stage].adaln_outputs(timesteps, cond, adaln)

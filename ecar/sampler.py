@@ -15,8 +15,11 @@ local time 0 to 1 with `steps_per_stage[s]` Euler steps in a `lax.fori_loop`.
 `num_steps` (an int) is split over the stages as evenly as possible, earlier
 stages taking the remainder: 250 -> (84, 83, 83), the paper's "a third per stage".
 With `return_intermediates`, aux holds per stage the AR token maps 'r' (the
-conditional half, [B, N_s, C]) and the flow end points 'ends'. Arguments are
-checked before anything compiles.
+conditional half, [B, N_s, C]) and the flow end points 'ends'. With `scan_blocks`
+the AR's KV caches are stacked on a layer axis and its runs of alike blocks, and
+each denoiser's blocks, are one `lax.scan` each (a denoiser's parameters stacked
+once per stage, outside its flow loop): the program holds one block per run, not
+per block. Arguments are checked before anything compiles.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from ecar.layers import merged_adaln
 from ecar.model import ECAR
 from ecar.policy import BASELINE, FlowStep, StagePolicy
 from var_models.nn import tokens as tok
-from var_models.nn.attention import KVCache
+from var_models.nn.attention import KVCache, LayerKVCaches
 from var_models.nn.blocks import adaln_ahead_pays, dense_params_in
 from var_models.nn.checks import check_labels
 from var_models.nn.policy import Binding, Halves
@@ -67,9 +70,10 @@ def check_sample_args(ecar_cfg: ECARConfig, labels, cfg: float) -> None:
 class _Sampler:
   """Static parts (config, steps, policy); `__call__` is the public sampler."""
 
-  def __init__(self, ecar_cfg: ECARConfig, steps: tuple[int, ...], policy: StagePolicy, return_intermediates: bool):
-    self.cfg, self.steps = ecar_cfg, steps
-    self.policy = policy.bind(Binding(model=ecar_cfg, schedule=steps, guided=True))
+  def __init__(self, ecar_cfg: ECARConfig, steps: tuple[int, ...], policy: StagePolicy, return_intermediates: bool,
+               scan_blocks: bool):
+    self.cfg, self.steps, self.scan_blocks = ecar_cfg, steps, scan_blocks
+    self.policy = policy.bind(Binding(model=ecar_cfg, schedule=steps, guided=True, scanned=scan_blocks))
     self.model, self.flow = ECAR(ecar_cfg), ecar_cfg.flow
     self.return_intermediates = return_intermediates
     self._jitted = jax.jit(self._sample)
@@ -99,7 +103,8 @@ class _Sampler:
     cls2 = self.model.apply(v, jnp.concatenate([labels, jnp.full_like(labels, cfg.num_classes)]),
                             method=ECAR.class_embedding)
     head_dim = cfg.ar_width // cfg.ar_heads
-    kvs = KVCache.create_many(cfg.ar_depth, 2 * b, cfg.num_tokens, cfg.ar_heads, head_dim, cfg.dtype)
+    caches = LayerKVCaches.create if self.scan_blocks else KVCache.create_many
+    kvs = caches(cfg.ar_depth, 2 * b, cfg.num_tokens, cfg.ar_heads, head_dim, cfg.dtype)
     state = self.policy.init_state(b)
     key, k_init = jax.random.split(key)
     x = jax.random.normal(k_init, (b, cfg.stage_sizes[0], cfg.stage_sizes[0], cfg.data_channels), jnp.float32)
@@ -114,8 +119,9 @@ class _Sampler:
       cond = self.model.apply(v, s, r, method=ECAR.den_condition)
       adaln = merged_adaln(v['params'][dens[s]])
       ahead = self._adaln_ahead(v, s, cond, adaln)
+      stacked = self.model.apply(v, s, method=ECAR.den_stacked_blocks) if self.scan_blocks else None
       x, state = jax.lax.fori_loop(
-          0, self.steps[s], lambda i, c: self.euler_step(v, s, i, c[0], cond, guidance, c[1], adaln, ahead),
+          0, self.steps[s], lambda i, c: self.euler_step(v, s, i, c[0], cond, guidance, c[1], adaln, ahead, stacked),
           (x, state))
       if self.return_intermediates:
         aux['r'].append(r[:b])
@@ -145,16 +151,16 @@ class _Sampler:
     return self.model.apply(v, s, ts, cond, adaln, method=ECAR.den_adaln_outputs)
 
   def euler_step(self, v, s: int, i: Array, x: Array, cond: Array, guidance: Array, state: Any,
-                 adaln: Optional[tuple[Array, Array]] = None, ahead: Optional[Array] = None):
+                 adaln: Optional[tuple[Array, Array]] = None, ahead: Optional[Array] = None, stacked: Any = None):
     """One Euler step of stage s: x [B, g, g, D] at local time i / n -> (x + v / n, state), with
     v = v_u + guidance * (v_c - v_u) from the policy's `guide`. cond [2B, N_s, W] is the denoiser's
     condition from the AR ([cond; uncond]); adaln its merged adaLN weights (`layers.merged_adaln`),
-    ahead their outputs at every step of the stage [n, 2B, N_s, sum] (`_adaln_ahead`); guidance
-    the call's `cfg`."""
+    ahead their outputs at every step of the stage [n, 2B, N_s, sum] (`_adaln_ahead`); stacked
+    its blocks' stacked parameters, to scan them; guidance the call's `cfg`."""
     n, b = self.steps[s], x.shape[0]
     ts = flow_lib.timestep(self.flow, s, jnp.full((2 * b,), i, jnp.float32) / n)
     mods = None if ahead is None else ahead[i]
-    vel = lambda xx, c, t, m: self.model.apply(v, s, xx, t, c, adaln, m, method=ECAR.den_velocity)
+    vel = lambda xx, c, t, m: self.model.apply(v, s, xx, t, c, adaln, m, stacked, method=ECAR.den_velocity)
 
     def both():
       out = vel(jnp.concatenate([x, x]), cond, ts, mods)
@@ -166,9 +172,11 @@ class _Sampler:
 
 
 def make_sampler(ecar_cfg: ECARConfig, *, num_steps: Union[int, Sequence[int]] = 250,
-                 policy: Optional[StagePolicy] = None, return_intermediates: bool = False):
+                 policy: Optional[StagePolicy] = None, return_intermediates: bool = False, scan_blocks: bool = False):
   """A pure, jit-compiled sampler `sample(params, key, labels, *, cfg) -> (images, aux)`.
 
-  num_steps: Euler steps in all (split over the stages) or one count per stage.
+  num_steps: Euler steps in all (split over the stages) or one count per stage. scan_blocks: the
+  AR's runs of alike blocks and each denoiser's blocks as one `lax.scan` (see the module docstring).
   """
-  return _Sampler(ecar_cfg, steps_per_stage(ecar_cfg, num_steps), policy or BASELINE, return_intermediates)
+  return _Sampler(ecar_cfg, steps_per_stage(ecar_cfg, num_steps), policy or BASELINE, return_intermediates,
+                  scan_blocks)

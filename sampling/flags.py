@@ -17,9 +17,9 @@ BATCH = flags.DEFINE_integer('batch_size', None, 'images per compiled call (defa
                             'accel.compare: 1)')
 TOP_K = flags.DEFINE_integer('top_k', None, 'VAR: top-k, 0 = off')
 TOP_P = flags.DEFINE_float('top_p', None, 'VAR: top-p in (0, 1], 1 = off')
-SCAN = flags.DEFINE_bool('scan_blocks', None, "VAR, MAR: runs of alike blocks as one lax.scan (VAR: per scale; MAR: "
-                         'the encoder and the decoder); compiles once per run, not per block; '
-                         'benchmarks/RESULTS.md has its run time')
+SCAN = flags.DEFINE_bool('scan_blocks', None, "runs of alike blocks as one lax.scan (VAR: per scale; MAR: "
+                         "the encoder and the decoder; E-CAR: the AR and each denoiser); compiles once per run, not per "
+                         'block; benchmarks/RESULTS.md has its run time')
 NUM_ITER = flags.DEFINE_integer('num_iter', None, 'MAR: iterations')
 TEMP = flags.DEFINE_float('temperature', None, 'MAR: diffusion temperature')
 SCHEDULE = flags.DEFINE_string('cfg_schedule', None, "MAR: 'linear' or 'constant'")

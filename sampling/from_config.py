@@ -31,11 +31,11 @@ from var_models.var.sampler import make_sampler as make_var_sampler
 Array = jax.Array
 
 # The settings a command line may override per family: cfg (the guidance scale), top_k, top_p,
-# scan_blocks (VAR, MAR), num_iter, temperature, cfg_schedule, encoder_sizes (MAR), num_steps (MAR:
+# scan_blocks (every family), num_iter, temperature, cfg_schedule, encoder_sizes (MAR), num_steps (MAR:
 # diffusion steps; E-CAR: Euler steps in all).
 OVERRIDES = {'var': ('cfg', 'top_k', 'top_p', 'scan_blocks'),
              'mar': ('cfg', 'num_iter', 'temperature', 'cfg_schedule', 'num_steps', 'scan_blocks', 'encoder_sizes'),
-             'ecar': ('cfg', 'num_steps')}
+             'ecar': ('cfg', 'num_steps', 'scan_blocks')}
 _NO_LABEL = np.zeros(1, np.int32)
 
 
@@ -113,7 +113,9 @@ def _mar(config, o: dict) -> Sampling:
 
 def _ecar(config, o: dict) -> Sampling:
   cfg = ecar_config(config)
-  opts, settings = dict(cfg=_pick(o, 'cfg', config.sample.cfg)), dict(num_steps=_pick(o, 'num_steps', config.sample.num_steps))
+  s = config.sample
+  opts = dict(cfg=_pick(o, 'cfg', s.cfg))
+  settings = dict(num_steps=_pick(o, 'num_steps', s.num_steps), scan_blocks=_pick(o, 'scan_blocks', s.scan_blocks))
   check_ecar_sample_args(cfg, _NO_LABEL, **opts)
   make = lambda policy=None: make_ecar_sampler(cfg, policy=policy, **settings)
   load = lambda ckpt, key: ecar_params(cfg, ckpt, config.vae_ckpt, key)

@@ -45,6 +45,16 @@ def hooks_group(hooks) -> Optional[Hashable]:
   return ('plain',) if hooks is None else hooks.scan_group()
 
 
+def cache_runs(hooks: Optional[Sequence[Any]], lengths: Sequence[int]) -> list[list[int]]:
+  """`scan_runs` of blocks with KV caches: maximal runs of consecutive blocks that compute alike
+  (`hooks_group` of hooks[i], a `BlockHooks` or None; hooks None: no block has any) and whose
+  caches hold the same length (lengths[i]); a block whose hooks have no group runs alone."""
+  def group(i):
+    g = hooks_group(None if hooks is None else hooks[i])
+    return None if g is None else (g, lengths[i])
+  return scan_runs([group(i) for i in range(len(lengths))])
+
+
 def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, xs: Any,
                 call: Callable[[nn.Module, jax.Array, Any, Any], tuple[Any, Any]],
                 stacked: Any = None) -> tuple[Any, Any]:

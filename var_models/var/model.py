@@ -18,7 +18,7 @@ import numpy as np
 from var_models.nn import attention as attn_lib
 from var_models.nn import tokens as tok
 from var_models.nn.blocks import AdaLNBeforeHead, AdaLNSelfAttn, BlockHooks, scaled, trunc_normal
-from var_models.nn.scan import hooks_group, scan_blocks, scan_runs
+from var_models.nn.scan import cache_runs, scan_blocks
 from var_models.var.schedules import ScaleSchedule, VAR_256
 
 Array = jax.Array
@@ -161,7 +161,7 @@ class VAR(nn.Module):
     """All blocks on x [B, l, C] with their modulations -> (h [B, l, C], kvs, state).
 
     `kvs`: None (training), one KVCache per block, or `LayerKVCaches`: then every run of two or
-    more consecutive blocks that compute alike (`_scan_runs`) is one `lax.scan` (`scan_blocks`),
+    more consecutive blocks that compute alike (`scan.cache_runs`) is one `lax.scan` (`scan_blocks`),
     which compiles the block once; the other blocks run one by one.
     """
     x = x.astype(self.cfg.dtype)
@@ -177,9 +177,9 @@ class VAR(nn.Module):
 
   def _run_layer_caches(self, x: Array, mods: Sequence[Array], mask: attn_lib.Mask,
                         kvs: attn_lib.LayerKVCaches, hooks, state):
-    """`run_blocks` over stacked caches (sampling: deterministic), a scan per run (`_scan_runs`)."""
+    """`run_blocks` over stacked caches (sampling: deterministic), a scan per run (`scan.cache_runs`)."""
     lengths = list(kvs.lengths)
-    for run in _scan_runs(hooks, kvs.lengths):
+    for run in cache_runs(hooks, kvs.lengths):
       run_hooks = [None if hooks is None else hooks[i] for i in run]
       if len(run) == 1:
         i = run[0]
@@ -243,16 +243,6 @@ class VAR(nn.Module):
     h, _, _ = self.run_blocks(x, self.modulations(cond), mask=attn_lib.ScaleCausal(levels, levels),
                               deterministic=not train)
     return self.logits(h, cond)
-
-
-def _scan_runs(hooks: Optional[Sequence[Optional[BlockHooks]]], lengths: Sequence[int]) -> list[list[int]]:
-  """The blocks in order, grouped: maximal runs of consecutive blocks that compute alike (no hooks,
-  or hooks of one `scan_group`) and whose caches hold the same length; a block whose hooks have
-  no group runs alone."""
-  def group(i):
-    g = hooks_group(None if hooks is None else hooks[i])
-    return None if g is None else (g, lengths[i])
-  return scan_runs([group(i) for i in range(len(lengths))])
 
 
 def cross_entropy(logits: Array, targets: Array) -> Array:
