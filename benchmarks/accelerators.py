@@ -16,9 +16,10 @@ attention on both sides; cfg 1.5, top-k 900, top-p 0.96):
 --scan on / both: the VAR samplers with each scale's runs of alike blocks (no hooks, or a
 policy's hooks of one scan group) as one `lax.scan` (`make_sampler(..., scan_blocks=True)`), and
 the MAR samplers with their encoder's and decoder's, the E-CAR samplers with their AR's and
-denoisers' (config.sample.scan_blocks), as rows 'spec@scan'. --xla 'a=1;b=true': every sampler compiled again under each set of XLA options,
-as rows 'spec xla1', 'spec xla2', ... (the first set, '' by default, is XLA's defaults; a list
-value stays whole: ';xla_gpu_enable_command_buffer=FUSION,CUBLAS').
+denoisers' (config.sample.scan_blocks), as rows 'spec@scan'. --xla 'a=1;b=true': every sampler
+compiled again under each set of XLA options, as rows 'spec xla1', 'spec xla2', ... (the first
+set, '' by default, is XLA's defaults; a list value stays whole:
+';xla_gpu_enable_command_buffer=FUSION,CUBLAS').
 Every sampler is lowered in turn and compiled in a pool of --compile_workers threads (compile
 seconds are each program's own wall time, under that contention), then, after --wait_for
 exists (so the compiles can overlap other GPU work), each is timed alone: medians of --iters
@@ -310,8 +311,7 @@ def family_main(args) -> None:
       overrides.update(settings(variant))
       label = f'{label} {variant}' if len(variants) > 1 else label
       family = family_from_config(config, overrides=overrides)
-      makes = {'': family.make}
-      makes['scan'] = sampling_from_config(config, {**overrides, 'scan_blocks': True}).make
+      makes = {'': family.make, 'scan': sampling_from_config(config, {**overrides, 'scan_blocks': True}).make}
       names = sampler_names(specs, args.scan, len(xla))
       for batch, name in itertools.product(batches, names):
         spec, _, scan = name.split(' ')[0].partition('@')

@@ -16,7 +16,6 @@ from var_models.nn import scan as scan_module
 from var_models.nn.attention import KVCache, LayerKVCaches
 from var_models.nn.blocks import BlockHooks
 from var_models.var.model import init_params
-from var_models.nn.scan import cache_runs
 from var_models.var.sampler import make_sampler
 
 LABELS = np.array([1, 7, 3], np.int32)
@@ -88,11 +87,11 @@ def test_the_scanned_program_holds_one_block_per_run(deep_var):
 def test_runs_group_blocks_that_compute_alike_with_caches_of_one_length():
   alone = BlockHooks()
   pruned = [FastVARHooks(str(i), 2, 4) for i in range(5)]
-  assert cache_runs(None, (3, 3, 3, 3)) == [[0, 1, 2, 3]]
-  assert cache_runs([None, alone, alone, None, None], (3,) * 5) == [[0], [1], [2], [3, 4]]
-  assert cache_runs(None, (3, 3, 2, 2, 3)) == [[0, 1], [2, 3], [4]]
-  assert cache_runs([None] + pruned[1:4] + [None], (3,) * 5) == [[0], [1, 2, 3], [4]]
-  assert cache_runs(pruned[:2] + [FastVARHooks('2', None, 4)] + pruned[3:], (3,) * 5) == [[0, 1], [2], [3, 4]]
+  assert scan_module.cache_runs(None, (3, 3, 3, 3)) == [[0, 1, 2, 3]]
+  assert scan_module.cache_runs([None, alone, alone, None, None], (3,) * 5) == [[0], [1], [2], [3, 4]]
+  assert scan_module.cache_runs(None, (3, 3, 2, 2, 3)) == [[0, 1], [2, 3], [4]]
+  assert scan_module.cache_runs([None] + pruned[1:4] + [None], (3,) * 5) == [[0], [1, 2, 3], [4]]
+  assert scan_module.cache_runs(pruned[:2] + [FastVARHooks('2', None, 4)] + pruned[3:], (3,) * 5) == [[0, 1], [2], [3, 4]]
 
 
 def test_the_fastvar_blocks_of_a_pruned_scale_run_as_one_scan(deep_var, monkeypatch):
