@@ -291,7 +291,7 @@ def family_configs(args) -> list[tuple[str, object, tuple[str, ...]]]:
     for size in filter(None, sizes.split(',')):
       config = module.get_config(size)
       config.dtype, config.attn_backend = args.family_dtype, args.attn
-      out.append((label.format(size), config, tuple(f'{method}:{p}' for p in presets.split(','))))
+      out.append((label.format(size), config, tuple(f'{method}:{p}' for p in filter(None, presets.split(',')))))
   return out
 
 

@@ -2,9 +2,9 @@
 
 `layer_dense(x, w, b, layer)` = x @ w[layer] + b[layer] for x [M, K], w [L, K, N], b [L, N] (or
 None) and `layer` an int32 scalar, traced inside a scan over the layers. XLA computes w[layer] as a
-copy before its GEMM: a dynamic slice feeds cuBLAS or a Triton GEMM fusion only through a buffer
-of its own (benchmarks/RESULTS.md, "VAR's scanned sampler on the GPU"), which at few rows moves
-the layer's weights three times instead of once. The Pallas kernel (Triton lowering) reads
+copy before its GEMM (benchmarks/RESULTS.md, "VAR's scanned sampler on the GPU"), which at few
+rows moves the layer's weights three times instead of once; only cuBLAS, under XLA's dynamic-slice
+fusion, reads it in place, and only for a GEMM without its bias in the epilogue (`reference`). The Pallas kernel (Triton lowering) reads
 w[layer] straight from the stacked array: one program per (row block, column block, part of K)
 walks its part of K a tile at a time into a float32 partial product; K is split where the column
 blocks alone are too few programs to keep every SM streaming. The parts are summed and rounded to
@@ -12,8 +12,8 @@ x's dtype, then the bias is added (as flax's Dense adds it); with K in one part 
 kernel rounds and adds the bias itself: one launch, no float32 partials.
 
 'auto' runs the kernel on an NVIDIA GPU for at most AUTO_MAX_ROWS rows, where the GEMM reads its
-weights and little else; XLA's GEMM of the copied slice elsewhere (the reference), where the
-copy is small beside the GEMM.
+weights and little else; XLA's GEMM elsewhere (the reference), of the slice in place where XLA's
+options allow it, of a copy otherwise.
 """
 from __future__ import annotations
 
@@ -48,8 +48,12 @@ def _plus_bias(y, b, layer):
 
 
 def reference(x, w, b, layer):
-  """x [M, K] @ w[layer] + b[layer] in x's dtype, through XLA (the slice copied)."""
-  return _plus_bias(x @ lax.dynamic_index_in_dim(w, layer, 0, keepdims=False).astype(x.dtype), b, layer)
+  """x [M, K] @ w[layer] + b[layer] in x's dtype, through XLA. The GEMM is kept apart from the bias
+  add (an optimization barrier): with XLA's dynamic-slice fusion on and its Triton GEMMs off, cuBLAS
+  then reads w[layer] in place when `layer` is a loop's counter, where a GEMM with the bias in its
+  epilogue reads a copy of the slice (benchmarks/RESULTS.md, "The scanned samplers' loop counter and GEMMs kept apart from their bias")."""
+  y = x @ lax.dynamic_index_in_dim(w, layer, 0, keepdims=False).astype(x.dtype)
+  return _plus_bias(lax.optimization_barrier(y), b, layer)
 
 
 def _kernel(layer_ref, x_ref, w_ref, *refs, block_n: int, block_k: int, steps: int, whole: bool):
@@ -132,11 +136,6 @@ def _resolve(x2, w, impl: str) -> str:
   if impl == 'auto' and (x2.shape[0] > AUTO_MAX_ROWS or unsupported(x2, w)):
     impl = 'reference'
   return dispatch.resolve(impl, 'layer_dense has no Mosaic GPU kernel')
-
-
-def runs_kernel(x: jax.Array, w: jax.Array, impl: str = 'auto') -> bool:
-  """Whether `layer_dense(x, w, ..., impl=impl)` runs the kernel rather than the reference."""
-  return _resolve(x.reshape(-1, x.shape[-1]), w, impl) != 'reference'
 
 
 def layer_dense(x: jax.Array, w: jax.Array, b: Optional[jax.Array], layer, *, impl: str = 'auto',

@@ -67,6 +67,14 @@ def test_auto_leaves_many_rows_and_cpus_to_the_reference():
   np.testing.assert_array_equal(layer_dense(x, w, b, 1), reference(x, w, b, 1))
 
 
+def test_reference_keeps_the_gemm_apart_from_its_bias():
+  """An optimization barrier between the GEMM and the bias add: XLA cannot fold the bias into the
+  GEMM's epilogue, which would keep cuBLAS from reading w[layer] in place."""
+  x, w, b = _inputs(4, 64, 32)
+  names = [e.primitive.name for e in jax.make_jaxpr(reference)(x, w, b, 1).eqns]
+  assert names.index('dot_general') < names.index('optimization_barrier') < names.index('add')
+
+
 def test_bad_shapes_name_the_problem():
   x, w, b = _inputs(4, 64, 32)
   with pytest.raises(ValueError, match='w \\[L, K, N\\]'):

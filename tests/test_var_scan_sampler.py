@@ -4,6 +4,7 @@ caches written in place."""
 import dataclasses
 import importlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,6 +93,11 @@ def test_runs_group_blocks_that_compute_alike_with_caches_of_one_length():
   assert scan_module.cache_runs(None, (3, 3, 2, 2, 3)) == [[0, 1], [2, 3], [4]]
   assert scan_module.cache_runs([None] + pruned[1:4] + [None], (3,) * 5) == [[0], [1, 2, 3], [4]]
   assert scan_module.cache_runs(pruned[:2] + [FastVARHooks('2', None, 4)] + pruned[3:], (3,) * 5) == [[0, 1], [2], [3, 4]]
+
+
+def test_scan_blocks_takes_only_consecutive_layers():
+  with pytest.raises(ValueError, match='consecutive, got \\[0, 2\\]'):
+    scan_module.scan_blocks([nn.Dense(2), nn.Dense(2), nn.Dense(2)], [0, 2], None, None, None)
 
 
 def test_the_fastvar_blocks_of_a_pruned_scale_run_as_one_scan(deep_var, monkeypatch):

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from pallas_kernels.layer_dense import runs_kernel
 from var_models.nn.blocks import DenseGELU
 
 
@@ -58,10 +57,12 @@ def cache_runs(hooks: Optional[Sequence[Any]], lengths: Sequence[int]) -> list[l
 def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, xs: Any,
                 call: Callable[[nn.Module, jax.Array, Any, Any], tuple[Any, Any]],
                 stacked: Any = None) -> tuple[Any, Any]:
-  """carry through blocks[layers[0]], blocks[layers[1]], ... -> (carry, ys): call(block, i, carry,
-  x_j) -> (carry, y_j) for each, where i = layers[j] (traced), x_j is the j-th slice of `xs` and ys
-  the y_j stacked (pytrees of arrays with a leading axis of len(layers)). `blocks`: bound submodules of one class
-  and configuration (a deterministic call may differ in what it ignores, e.g. drop-path rates).
+  """carry through blocks[layers[0]], blocks[layers[1]], ... (consecutive) -> (carry, ys):
+  call(block, i, carry, x_j) -> (carry, y_j) for each, where i = layers[j] (traced: the loop's
+  counter, which lets XLA read a layer's slice of the stack in place), x_j is the j-th slice of
+  `xs` and ys the y_j stacked (pytrees of arrays with a leading axis of len(layers)). `blocks`:
+  bound submodules of one class and configuration (a deterministic call may differ in what it
+  ignores, e.g. drop-path rates).
 
   Runs one `lax.scan`; `call` is traced once, on a copy of blocks[0] bound to each layer's
   parameters (all of `blocks` stacked, whichever `layers` run: see the module docstring; or
@@ -69,16 +70,20 @@ def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, 
   kinds = {type(b) for b in blocks}
   if len(kinds) != 1:
     raise ValueError(f'scan_blocks: the blocks must be of one class, got {sorted(k.__name__ for k in kinds)}')
+  if list(layers) != list(range(layers[0], layers[0] + len(layers))):
+    raise ValueError(f'scan_blocks: the layers must be consecutive, got {list(layers)}')
   if stacked is None:
     stacked = stack_layers([b.variables['params'] for b in blocks])
   body = blocks[0].clone(parent=None)
 
-  def step(c, layer):
-    i, x = layer
+  def step(ic, x):
+    i, c = ic
     params = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stacked)
     with nn.intercept_methods(_dense_in_place(stacked, i)):
-      return call(body.bind({'params': params}), i, c, x)
-  return jax.lax.scan(step, carry, (jnp.asarray(layers, jnp.int32), xs))
+      c, y = call(body.bind({'params': params}), i, c, x)
+    return (i + 1, c), y
+  (_, carry), ys = jax.lax.scan(step, (jnp.int32(layers[0]), carry), xs, length=len(layers))
+  return carry, ys
 
 
 # The dense layers a scanned block may hold -> the activation after their affine map.
@@ -86,10 +91,10 @@ _DENSE = {nn.Dense: lambda y: y, DenseGELU: lambda y: jax.nn.gelu(y, approximate
 
 
 def _dense_in_place(stacked: Any, layer: jax.Array):
-  """A flax method interceptor: each dense layer of the scanned block (`_DENSE`) that
-  `pallas_kernels.layer_dense` would run as its kernel (few rows, on a GPU) computes with its
-  stacked weights at `layer`, read in place, instead of the slice XLA copies out of the stack
-  for every layer; the others run as they are."""
+  """A flax method interceptor: each dense layer of the scanned block (`_DENSE`) computes with its
+  stacked weights at `layer` through `pallas_kernels.layer_dense` (the kernel reads them in place
+  at few rows on a GPU; XLA's GEMM, kept apart from its bias, elsewhere), instead of the slice XLA
+  copies out of the stack for every layer; other methods run as they are."""
   def intercept(next_fun, args, kwargs, context):
     module = context.module
     if type(module) not in _DENSE or context.method_name != '__call__':
@@ -97,8 +102,6 @@ def _dense_in_place(stacked: Any, layer: jax.Array):
     x, weights = args[0], stacked
     for name in module.path:
       weights = weights[name]
-    if not runs_kernel(x, weights['kernel']):
-      return next_fun(*args, **kwargs)
     dtype = module.dtype or jnp.result_type(x, weights['kernel'])
     y = pk.layer_dense(x.astype(dtype), weights['kernel'], weights.get('bias'), layer)
     return _DENSE[type(module)](y)
