@@ -48,7 +48,7 @@ from ecar.layers import DiTBlock, FinalLayer, patchify, unpatchify
 from var_models.nn import attention as attn_lib
 from var_models.nn import tokens as tok
 from var_models.nn.blocks import BlockHooks, merged_dense, merged_modulations, split_modulations
-from var_models.nn.scan import cache_runs, scan_blocks, stack_layers
+from var_models.nn.scan import cache_runs, scan_blocks, stack_layers, through_runs
 from var_models.nn.timestep import TimestepEmbedder
 from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
 
@@ -108,27 +108,20 @@ class ARTransformer(nn.Module):
 
   def _run_scanned(self, x: Array, mask: attn_lib.Mask, kvs: attn_lib.LayerKVCaches, hooks, state):
     """`run_blocks` over stacked caches: each run of consecutive blocks that compute alike with
-    caches of one length (`scan.cache_runs`) as one `lax.scan` carrying the whole state, its first
-    block's hooks `for_layer` standing for each (a policy bound with `scanned` indexes its
-    per-block state by the traced layer); the other blocks one by one."""
-    hook = lambda i: None if hooks is None else hooks[i]
+    caches of one length (`scan.cache_runs`) as one `lax.scan` carrying the whole state
+    (`scan.through_runs`; a policy bound with `scanned` indexes its per-block state by the traced
+    layer); the other blocks one by one."""
     lengths = list(kvs.lengths)
-    for run in cache_runs(hooks, kvs.lengths):
-      if len(run) == 1:
-        x, kv, state = self.blocks[run[0]](x, mask=mask, kv=kvs.layer(run[0]), hooks=hook(run[0]), state=state)
-        kvs, lengths[run[0]] = kvs.put(run[0], kv), kv.length
-        continue
-      template, length, new_length = hook(run[0]), kvs.lengths[run[0]], []
 
-      def call(block, i, carry, _):
-        h, caches, s = carry
-        h, kv, s = block(h, mask=mask, kv=caches.layer(i, length, h.shape[1]), state=s,
-                         hooks=None if template is None else template.for_layer(i))
-        new_length.append(kv.length)
-        return (tok.dense(h), caches.put(i, kv, length), s), None
-      (x, kvs, state), _ = scan_blocks(self.blocks, run, (tok.dense(x), kvs, state), None, call)
-      for i in run:
-        lengths[i] = new_length[0]
+    def call(block, i, block_hooks, h, carry, run):
+      caches, s = carry
+      first = i if run is None else run[0]
+      length, rows = caches.lengths[first], None if run is None else h.shape[1]
+      h, kv, s = block(h, mask=mask, kv=caches.layer(i, length, rows), hooks=block_hooks, state=s)
+      for j in run or [i]:
+        lengths[j] = kv.length
+      return h, (caches.put(i, kv, length), s)
+    x, (kvs, state) = through_runs(self.blocks, cache_runs(hooks, kvs.lengths), hooks, x, (kvs, state), call)
     return tok.dense(x), kvs.with_lengths(tuple(lengths)), state
 
   def output(self, h: Array) -> Array:

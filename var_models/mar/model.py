@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from var_models.mar.diffloss import DiffLossConfig, SimpleMLPAdaLN, diffloss_loss, init_diffloss
 from var_models.nn import attention as attn_lib
 from var_models.nn import tokens as tok
-from var_models.nn.scan import hooks_group, scan_blocks, scan_runs, stack_layers
+from var_models.nn.scan import hooks_group, scan_runs, stack_layers, through_runs
 from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
 
 Array = jax.Array
@@ -238,24 +238,15 @@ class MAR(nn.Module):
   def _run(self, blocks, x: Array, mask: attn_lib.Mask, train: bool, hooks, state, scan: bool, stacked):
     """The blocks in turn on x [B, l, C] -> (x, state); with `scan` (sampling), each run of consecutive
     blocks that compute alike (no hooks, or hooks of one `scan_group`) as one `lax.scan`
-    (`scan_blocks`, over `stacked` when given) carrying the whole state, its first block's hooks
-    `for_layer` standing for each; the other blocks one by one."""
+    (`scan.through_runs`, over `stacked` when given) carrying the whole state."""
     if scan and train:
       raise ValueError('MAR runs its blocks as a scan only when sampling (train=False)')
-    x = x.astype(self.cfg.dtype)
-    hook = lambda i: None if hooks is None else hooks[i]
-    groups = [hooks_group(hook(i)) if scan else None for i in range(len(blocks))]
-    for run in scan_runs(groups):
-      if len(run) == 1:
-        x, _, state = blocks[run[0]](x, mask=mask, hooks=hook(run[0]), state=state, deterministic=not train)
-        continue
-      template = hook(run[0])
+    groups = [hooks_group(None if hooks is None else hooks[i]) if scan else None for i in range(len(blocks))]
 
-      def call(block, i, carry, _):
-        h, s = carry
-        h, _, s = block(h, mask=mask, hooks=None if template is None else template.for_layer(i), state=s)
-        return (tok.dense(h), s), None
-      (x, state), _ = scan_blocks(blocks, run, (tok.dense(x), state), None, call, stacked)
+    def call(block, i, block_hooks, h, s, run):
+      h, _, s = block(h, mask=mask, hooks=block_hooks, state=s, deterministic=not train)
+      return h, s
+    x, state = through_runs(blocks, scan_runs(groups), hooks, x.astype(self.cfg.dtype), state, call, stacked)
     return tok.dense(x), state
 
   # ---- the pieces of the encoder and decoder (samplers call them with policy hooks) ----

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from var_models.nn import tokens as tok
 from var_models.nn.blocks import DenseGELU
 
 
@@ -84,6 +85,28 @@ def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, 
     return (i + 1, c), y
   (_, carry), ys = jax.lax.scan(step, (jnp.int32(layers[0]), carry), xs, length=len(layers))
   return carry, ys
+
+
+def through_runs(blocks: Sequence[nn.Module], runs: Sequence[Sequence[int]], hooks: Optional[Sequence[Any]],
+                 x: Any, carry: Any, call: Callable[..., tuple[Any, Any]], stacked: Any = None) -> tuple[Any, Any]:
+  """x [B, l, C] (an array or `tokens.Rows`) and `carry` through the blocks, run by run
+  (`scan_runs`) -> (x, carry): call(block, i, hooks_i, x, carry, run) -> (x, carry) for each.
+  A run of one calls its block as it is (i an int, hooks_i its hooks, run None); a longer run is
+  one `scan_blocks` (over `stacked` when given) whose body sees x as one array (`tokens.dense`),
+  i traced, hooks_i the run's first block's hooks `for_layer(i)` and `run` its layers.
+  hooks: one per block (a `BlockHooks` or None), or None."""
+  hook = lambda i: None if hooks is None else hooks[i]
+  for run in runs:
+    if len(run) == 1:
+      x, carry = call(blocks[run[0]], run[0], hook(run[0]), x, carry, None)
+      continue
+    first = hook(run[0])
+
+    def body(block, i, xc, _, run=run, first=first):
+      y, c = call(block, i, None if first is None else first.for_layer(i), *xc, run)
+      return (tok.dense(y), c), None
+    (x, carry), _ = scan_blocks(blocks, run, (tok.dense(x), carry), None, body, stacked)
+  return x, carry
 
 
 # The dense layers a scanned block may hold -> the activation after their affine map.
