@@ -34,6 +34,7 @@ mesh, must give the same losses within --rtol.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 
 import jax
@@ -53,13 +54,23 @@ from var_models import flop_count
 
 
 def load_config(spec: str, batch: int, overrides: dict):
+  """The config of `spec` ('family:variant') at `batch` images per step, with each override
+  ('key' or 'parent.key': value, None: left as it is) set."""
   family, variant = spec.split(':')
   config = importlib.import_module(f'configs.{family}').get_config(variant)
   config.train.batch_size = batch
   for key, value in overrides.items():
+    *parents, name = key.split('.')
+    node = functools.reduce(lambda c, k: c[k], parents, config)
     if value is not None:
-      config[key] = value
+      if name not in node:
+        raise SystemExit(f'{spec} has no config.{key}')
+      node[name] = value
   return config
+
+
+def config_overrides(args) -> dict:
+  return {'dtype': args.dtype, 'attn_backend': args.attn_backend, 'model.scan_blocks': args.scan_blocks or None}
 
 
 def random_batch(task, batch: int, encode: bool, seed: int) -> dict:
@@ -208,6 +219,8 @@ def main():
   p.add_argument('--encode', action='store_true', help='VAE encoder inside the step (no latent cache)')
   p.add_argument('--dtype', default=None, help='override config.dtype')
   p.add_argument('--attn_backend', default=None, help='override config.attn_backend')
+  p.add_argument('--scan_blocks', action='store_true', help="E-CAR: the train step's AR and denoiser blocks as "
+                                                           'one lax.scan each (config.model.scan_blocks)')
   p.add_argument('--peak_flops', type=float, default=0.0, help='per-device peak FLOP/s (default: by device kind)')
   p.add_argument('--count', action='store_true', help="print the step's FLOPs (jaxpr, XLA), run nothing")
   p.add_argument('--fit', action='store_true', help='print the largest batch per device whose step fits the '
@@ -219,7 +232,7 @@ def main():
   args = compilation_cache.parse_args(p)
   if args.count or args.fit:
     for spec in args.models.split(','):
-      config = load_config(spec, args.batch_per_device, dict(dtype=args.dtype, attn_backend=args.attn_backend))
+      config = load_config(spec, args.batch_per_device, config_overrides(args))
       task = make_task(config)
       if args.fit:
         print(f'{spec}: {largest_batch(config, task, args.batch_per_device, args.encode)}', flush=True)
@@ -230,7 +243,7 @@ def main():
     return
   if args.losses:
     for spec in args.models.split(','):
-      config = load_config(spec, args.batch_per_device, dict(dtype=args.dtype, attn_backend=args.attn_backend))
+      config = load_config(spec, args.batch_per_device, config_overrides(args))
       losses = first_losses(config, make_task(config), 1, args.batch_per_device, args.losses, args.encode)
       print(f'{spec}, {args.batch_per_device} images: first {args.losses} losses {np.round(losses, 6).tolist()}',
             flush=True)
@@ -247,7 +260,7 @@ def main():
   print('| model | devices | global batch | compile s | step ms, synced | dispatch ms | step ms, back to back | images/s | MFU | scaling |')
   print('| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |')
   for spec in args.models.split(','):
-    config = load_config(spec, args.batch_per_device, dict(dtype=args.dtype, attn_backend=args.attn_backend))
+    config = load_config(spec, args.batch_per_device, config_overrides(args))
     task = make_task(config)
     base = None
     for n in counts:

@@ -48,7 +48,8 @@ weights' own Adam learning rate (1e-3; 1e-2 for tiny's short runs) is ours.
 `sample`: 250 Euler steps in all, a third per stage
 (the paper's evaluation); the paper gives no CFG scale: 1.5 (DiT's FID setting);
 scan_blocks: the AR's and each denoiser's blocks as one lax.scan (compiles once
-per run of blocks; benchmarks/RESULTS.md has its run time).
+per run of blocks; benchmarks/RESULTS.md has its run time). `model.scan_blocks`: the
+same for the train step (one block compiled per stack; the parameters unchanged).
 `vae_ckpt` names the frozen SDXL VAE (`python -m var_models.convert sdxl-vae`);
 empty = random.
 """
@@ -80,7 +81,7 @@ def _paper(variant: str, patch_size: int = 4) -> ml_collections.ConfigDict:
       decoder_attn=False, mid_attn=True, scaling_factor=0.13025))
   c.model = ml_collections.ConfigDict(dict(
       num_stages=3, patch_size=patch_size, ar_depth=depth, ar_width=width, ar_heads=heads, den_depth=den_depth,
-      den_width=width, den_heads=heads, mlp_ratio=4.0, cond_drop_rate=0.1))
+      den_width=width, den_heads=heads, mlp_ratio=4.0, cond_drop_rate=0.1, scan_blocks=False))
   c.flow = ml_collections.ConfigDict(dict(gamma=1 / 3, num_train_timesteps=1000, time_windows='uniform'))
   c.gradnorm = ml_collections.ConfigDict(dict(lr=1e-3, alpha=1.5, layer='ar/norm', min_weight=1e-3))
   c.dtype = 'float32'            # compute dtype (TF32 matmuls on NVIDIA GPUs); parameters stay float32
@@ -111,7 +112,7 @@ def _tiny() -> ml_collections.ConfigDict:
   c.latent_space = 'pixel'
   c.model = ml_collections.ConfigDict(dict(
       num_stages=3, patch_size=4, ar_depth=3, ar_width=128, ar_heads=4, den_depth=2, den_width=128, den_heads=4,
-      mlp_ratio=4.0, cond_drop_rate=0.1))
+      mlp_ratio=4.0, cond_drop_rate=0.1, scan_blocks=False))
   c.gradnorm.lr = 1e-2
   c.dtype = 'float32'
   c.attn_backend = 'xla'

@@ -36,7 +36,10 @@ class ECARConfig:
   the grid, for the AR transformer and the denoisers alike. `den_depth` is the
   denoisers' layer count, one for every stage or a tuple per stage. `ar_depth` 0
   is the paper's ablation without AR layers (its section 4.5): every stage's
-  condition is then the class embedding at that stage's positions.
+  condition is then the class embedding at that stage's positions. `scan_blocks`: the
+  teacher-forced forward (training) runs the AR's blocks and each denoiser's as one `lax.scan`
+  over their stacked parameters, so that the train step compiles one block per stack (the
+  sampler takes its own `scan_blocks`); the parameters on disk are the same.
   """
   image_size: int = 256
   num_classes: int = 1000
@@ -61,6 +64,7 @@ class ECARConfig:
   gradnorm_min_weight: float = 1e-3
   attn_backend: str = 'xla'
   dtype: Any = jnp.float32
+  scan_blocks: bool = False
 
   def __post_init__(self):
     self._check_sizes()

@@ -24,6 +24,7 @@ CONFIG_KEYS = {
     'num_train_timesteps': 'flow.num_train_timesteps', 'time_windows': 'flow.time_windows',
     'gradnorm_lr': 'gradnorm.lr', 'gradnorm_alpha': 'gradnorm.alpha', 'gradnorm_layer': 'gradnorm.layer',
     'gradnorm_min_weight': 'gradnorm.min_weight', 'attn_backend': 'attn_backend', 'dtype': 'dtype',
+    'scan_blocks': 'model.scan_blocks',
 }
 
 
@@ -47,7 +48,7 @@ def ecar_config(config) -> ECARConfig:
       den_width=m.den_width, den_heads=m.den_heads, mlp_ratio=m.mlp_ratio, cond_drop_rate=m.cond_drop_rate,
       gamma=f.gamma, num_train_timesteps=f.num_train_timesteps, time_windows=f.time_windows,
       gradnorm_lr=g.lr, gradnorm_alpha=g.alpha, gradnorm_layer=g.layer, gradnorm_min_weight=g.min_weight,
-      attn_backend=config.attn_backend, dtype=dtype)
+      attn_backend=config.attn_backend, dtype=dtype, scan_blocks=m.get('scan_blocks', False))
   check_attn_backend(config.attn_backend)
   try:
     cfg = ECARConfig(**fields)

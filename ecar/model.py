@@ -48,7 +48,7 @@ from ecar.layers import DiTBlock, FinalLayer, patchify, unpatchify
 from var_models.nn import attention as attn_lib
 from var_models.nn import tokens as tok
 from var_models.nn.blocks import BlockHooks, merged_dense, merged_modulations, split_modulations
-from var_models.nn.scan import cache_runs, scan_blocks, stack_layers, through_runs
+from var_models.nn.scan import cache_runs, scan_blocks, scan_runs, stack_layers, through_runs
 from var_models.nn.timestep import TimestepEmbedder
 from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
 
@@ -94,11 +94,18 @@ class ARTransformer(nn.Module):
   def run_blocks(self, x: Array, *, mask: attn_lib.Mask = None,
                  kvs: Union[None, Sequence[attn_lib.KVCache], attn_lib.LayerKVCaches] = None,
                  hooks: Optional[Sequence[Optional[BlockHooks]]] = None, state: Any = None):
-    """All blocks on x [B, l, C] -> (h [B, l, C], kvs, state). `kvs`: None (training), one
-    KVCache per block, or `LayerKVCaches` (sampling, `_run_scanned`)."""
+    """All blocks on x [B, l, C] -> (h [B, l, C], kvs, state). `kvs`: None (training; one scan
+    with `cfg.scan_blocks`), one KVCache per block, or `LayerKVCaches` (sampling, `_run_scanned`)."""
     x = x.astype(self.cfg.dtype)
     if isinstance(kvs, attn_lib.LayerKVCaches):
       return self._run_scanned(x, mask, kvs, hooks, state)
+    if kvs is None and hooks is None and self.cfg.scan_blocks and not self.is_initializing():
+      def call(block, i, block_hooks, h, s, run):
+        h, _, s = block(h, mask=mask, state=s)
+        return h, s
+      x, state = through_runs(self.blocks, scan_runs([('plain',)] * len(self.blocks)), None, x, state, call,
+                              train=True)
+      return tok.dense(x), None, state
     new_kvs = []
     for i, block in enumerate(self.blocks):
       x, kv, state = block(x, mask=mask, kv=None if kvs is None else kvs[i],
@@ -167,12 +174,13 @@ class Denoiser(nn.Module):
     return self.cond_proj(r)
 
   def velocity(self, x: Array, timestep: Array, cond: Array, adaln: Optional[tuple[Array, Array]] = None,
-               ahead: Optional[Array] = None, stacked: Any = None) -> Array:
+               ahead: Optional[Array] = None, stacked: Any = None, train: bool = False) -> Array:
     """x [B, g, g, D], timestep [B], cond [B, N_s, W] from `condition` -> velocity [B, g, g, D] float32.
     adaln: `layers.merged_adaln` of this denoiser's params, to run every adaLN Linear as one GEMM;
     ahead: that GEMM's output for this call's (timestep, cond) [B, N_s, sum], computed before the
     flow loop (`adaln_outputs`): timestep and cond are then not read. stacked: `stacked_blocks()`,
-    made outside the flow loop, to run the blocks as one `lax.scan` over them."""
+    made outside the flow loop, to run the blocks as one `lax.scan` over them (`train`: as
+    `scan.scan_blocks` takes it)."""
     cfg = self.cfg
     h = self.x_embed(patchify(x.astype(jnp.float32), cfg.patch_size)) + self.pos_embed
     c = None if ahead is not None else cond + self.t_embed(timestep)[:, None]
@@ -184,7 +192,7 @@ class Denoiser(nn.Module):
     if stacked is not None:
       xs = None if mods[0] is None else jnp.stack(mods[:-1])
       h, _ = scan_blocks(self.blocks, list(range(len(self.blocks))), h, xs,
-                         lambda block, i, h, mod: (block(h, c, mod), None), stacked)
+                         lambda block, i, h, mod: (block(h, c, mod), None), stacked, train)
     else:
       for block, mod in zip(self.blocks, mods):
         h = block(h, c, mod)
@@ -205,7 +213,10 @@ class Denoiser(nn.Module):
     return merged_dense(c, adaln, self.cfg.dtype)
 
   def __call__(self, x: Array, timestep: Array, r: Array) -> Array:
-    return self.velocity(x, timestep, self.condition(r))
+    """The teacher-forced velocity (training); `cfg.scan_blocks`: the blocks as one scan (once
+    their parameters exist: `init` creates them one block at a time)."""
+    stacked = self.stacked_blocks() if self.cfg.scan_blocks and not self.is_initializing() else None
+    return self.velocity(x, timestep, self.condition(r), stacked=stacked, train=True)
 
 
 class ECAR(nn.Module):

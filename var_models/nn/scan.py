@@ -57,7 +57,7 @@ def cache_runs(hooks: Optional[Sequence[Any]], lengths: Sequence[int]) -> list[l
 
 def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, xs: Any,
                 call: Callable[[nn.Module, jax.Array, Any, Any], tuple[Any, Any]],
-                stacked: Any = None) -> tuple[Any, Any]:
+                stacked: Any = None, train: bool = False) -> tuple[Any, Any]:
   """carry through blocks[layers[0]], blocks[layers[1]], ... (consecutive) -> (carry, ys):
   call(block, i, carry, x_j) -> (carry, y_j) for each, where i = layers[j] (traced: the loop's
   counter, which lets XLA read a layer's slice of the stack in place), x_j is the j-th slice of
@@ -67,7 +67,10 @@ def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, 
 
   Runs one `lax.scan`; `call` is traced once, on a copy of blocks[0] bound to each layer's
   parameters (all of `blocks` stacked, whichever `layers` run: see the module docstring; or
-  `stacked`, their `stack_layers` made by the caller)."""
+  `stacked`, their `stack_layers` made by the caller). Sampling (`train` False) indexes the stack
+  at i and hands the dense layers their stacked weights (`_dense_in_place`); `train` scans the
+  run's slice of the stack as an input instead, so that the parameters' gradients come out as
+  the scan's stacked outputs rather than a stack-sized sum carried through every layer."""
   kinds = {type(b) for b in blocks}
   if len(kinds) != 1:
     raise ValueError(f'scan_blocks: the blocks must be of one class, got {sorted(k.__name__ for k in kinds)}')
@@ -75,26 +78,36 @@ def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, 
     raise ValueError(f'scan_blocks: the layers must be consecutive, got {list(layers)}')
   if stacked is None:
     stacked = stack_layers([b.variables['params'] for b in blocks])
-  body = blocks[0].clone(parent=None)
+  body, first = blocks[0].clone(parent=None), layers[0]
 
-  def step(ic, x):
+  def sampling_step(ic, x):
     i, c = ic
     params = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stacked)
     with nn.intercept_methods(_dense_in_place(stacked, i)):
       c, y = call(body.bind({'params': params}), i, c, x)
     return (i + 1, c), y
-  (_, carry), ys = jax.lax.scan(step, (jnp.int32(layers[0]), carry), xs, length=len(layers))
+
+  def training_step(ic, layer):
+    (i, c), (params, x) = ic, layer
+    c, y = call(body.bind({'params': params}), i, c, x)
+    return (i + 1, c), y
+  if train:
+    run_params = jax.tree.map(lambda a: a[first:first + len(layers)], stacked)
+    (_, carry), ys = jax.lax.scan(training_step, (jnp.int32(first), carry), (run_params, xs))
+  else:
+    (_, carry), ys = jax.lax.scan(sampling_step, (jnp.int32(first), carry), xs, length=len(layers))
   return carry, ys
 
 
 def through_runs(blocks: Sequence[nn.Module], runs: Sequence[Sequence[int]], hooks: Optional[Sequence[Any]],
-                 x: Any, carry: Any, call: Callable[..., tuple[Any, Any]], stacked: Any = None) -> tuple[Any, Any]:
+                 x: Any, carry: Any, call: Callable[..., tuple[Any, Any]], stacked: Any = None,
+                 train: bool = False) -> tuple[Any, Any]:
   """x [B, l, C] (an array or `tokens.Rows`) and `carry` through the blocks, run by run
   (`scan_runs`) -> (x, carry): call(block, i, hooks_i, x, carry, run) -> (x, carry) for each.
   A run of one calls its block as it is (i an int, hooks_i its hooks, run None); a longer run is
   one `scan_blocks` (over `stacked` when given) whose body sees x as one array (`tokens.dense`),
-  i traced, hooks_i the run's first block's hooks `for_layer(i)` and `run` its layers.
-  hooks: one per block (a `BlockHooks` or None), or None."""
+  i traced, hooks_i the run's first block's hooks `for_layer(i)` and `run` its layers (`train`:
+  as `scan_blocks`). hooks: one per block (a `BlockHooks` or None), or None."""
   hook = lambda i: None if hooks is None else hooks[i]
   for run in runs:
     if len(run) == 1:
@@ -105,7 +118,7 @@ def through_runs(blocks: Sequence[nn.Module], runs: Sequence[Sequence[int]], hoo
     def body(block, i, xc, _, run=run, first=first):
       y, c = call(block, i, None if first is None else first.for_layer(i), *xc, run)
       return (tok.dense(y), c), None
-    (x, carry), _ = scan_blocks(blocks, run, (tok.dense(x), carry), None, body, stacked)
+    (x, carry), _ = scan_blocks(blocks, run, (tok.dense(x), carry), None, body, stacked, train)
   return x, carry
 
 
