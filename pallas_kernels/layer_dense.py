@@ -4,10 +4,11 @@
 None) and `layer` an int32 scalar, traced inside a scan over the layers. XLA computes w[layer] as a
 copy before its GEMM (benchmarks/RESULTS.md, "VAR's scanned sampler on the GPU"), which at few
 rows moves the layer's weights three times instead of once; only cuBLAS, under XLA's dynamic-slice
-fusion, reads it in place, and only for a GEMM without its bias in the epilogue (`reference`). The Pallas kernel (Triton lowering) reads
-w[layer] straight from the stacked array: one program per (row block, column block, part of K)
-walks its part of K a tile at a time into a float32 partial product; K is split where the column
-blocks alone are too few programs to keep every SM streaming. The parts are summed and rounded to
+fusion, reads it in place, and only for a GEMM without its bias in the epilogue (`reference`).
+The Pallas kernel (Triton lowering) reads w[layer] straight from the stacked array: one program
+per (row block, column block, part of K) walks its part of K a tile at a time into a float32
+partial product; K is split where the column blocks alone are too few programs to keep every SM
+streaming. The parts are summed and rounded to
 x's dtype, then the bias is added (as flax's Dense adds it); with K in one part (splits=1) the
 kernel rounds and adds the bias itself: one launch, no float32 partials.
 
@@ -51,7 +52,8 @@ def reference(x, w, b, layer):
   """x [M, K] @ w[layer] + b[layer] in x's dtype, through XLA. The GEMM is kept apart from the bias
   add (an optimization barrier): with XLA's dynamic-slice fusion on and its Triton GEMMs off, cuBLAS
   then reads w[layer] in place when `layer` is a loop's counter, where a GEMM with the bias in its
-  epilogue reads a copy of the slice (benchmarks/RESULTS.md, "The scanned samplers' loop counter and GEMMs kept apart from their bias")."""
+  epilogue reads a copy of the slice (benchmarks/RESULTS.md, "The scanned samplers' loop counter
+  and GEMMs kept apart from their bias")."""
   y = x @ lax.dynamic_index_in_dim(w, layer, 0, keepdims=False).astype(x.dtype)
   return _plus_bias(lax.optimization_barrier(y), b, layer)
 

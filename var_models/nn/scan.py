@@ -113,10 +113,10 @@ def through_runs(blocks: Sequence[nn.Module], runs: Sequence[Sequence[int]], hoo
     if len(run) == 1:
       x, carry = call(blocks[run[0]], run[0], hook(run[0]), x, carry, None)
       continue
-    first = hook(run[0])
+    lead = hook(run[0])
 
-    def body(block, i, xc, _, run=run, first=first):
-      y, c = call(block, i, None if first is None else first.for_layer(i), *xc, run)
+    def body(block, i, xc, _, run=run, lead=lead):
+      y, c = call(block, i, None if lead is None else lead.for_layer(i), *xc, run)
       return (tok.dense(y), c), None
     (x, carry), _ = scan_blocks(blocks, run, (tok.dense(x), carry), None, body, stacked, train)
   return x, carry
