@@ -35,11 +35,9 @@ def test_scanned_train_step_gives_the_unrolled_loss_and_gradients():
   scanned = dataclasses.replace(CFG, scan_blocks=True)
   (loss, grads), (loss_s, grads_s) = (jax.jit(jax.value_and_grad(_loss(c)))(params) for c in (CFG, scanned))
   np.testing.assert_allclose(loss_s, loss, rtol=1e-5)
-  for path, g in jax.tree_util.tree_leaves_with_path(grads):
-    got = grads_s
-    for k in path:
-      got = got[k.key]
-    np.testing.assert_allclose(got, g, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+  jax.tree_util.tree_map_with_path(
+      lambda path, g, got: np.testing.assert_allclose(got, g, rtol=1e-4, atol=1e-6,
+                                                      err_msg=jax.tree_util.keystr(path)), grads, grads_s)
 
 
 def test_the_scanned_train_program_does_not_grow_with_depth():
