@@ -121,10 +121,17 @@ def sampler_names(specs: tuple[str, ...], scan: str, variants: int = 1) -> tuple
                for spec in ('baseline',) + specs)
 
 
+def layouts(var_cfg, vq_cfg, params) -> dict:
+  """{'': params, 'scan': params as the scanned samplers read them (`prepare`: the blocks stacked)},
+  what `sampler_job` takes."""
+  return {'': params, 'scan': make_sampler(var_cfg, vq_cfg, scan_blocks=True).prepare(params)}
+
+
 def sampler_job(var_cfg, vq_cfg, params, name: str, batch: int):
-  """(lowered sampler, args maker) of one sampler (`sampler_names`) at one batch."""
+  """(lowered sampler, args maker) of one sampler (`sampler_names`) at one batch; params: `layouts`."""
   spec, _, scan = name.split(' ')[0].partition('@')
   sample = make_sampler(var_cfg, vq_cfg, policy_from_spec(spec), scan_blocks=bool(scan))
+  params = params[scan]
   labels = np.arange(batch, dtype=np.int32) % var_cfg.num_classes
   lab, cfg = jnp.asarray(labels), jnp.float32(OPTS['cfg'])
   opts = dict(OPTS, top_k=min(OPTS['top_k'], var_cfg.vocab_size))   # the smoke model has 64 codes
@@ -183,8 +190,9 @@ def lower_and_compile(args, batches):
   with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
     for model in args.models.split(','):
       var_cfg, vq_cfg, params, specs = models[model] = build(model, args.attn, args.policies)
+      params = layouts(var_cfg, vq_cfg, params)
       for batch in batches:
-        jobs = [('decoder', lambda: decoder_job(vq_cfg, params, batch))]
+        jobs = [('decoder', lambda: decoder_job(vq_cfg, params[''], batch))]
         jobs += [(name, lambda name=name: sampler_job(var_cfg, vq_cfg, params, name, batch))
                  for name in sampler_names(specs, args.scan, len(variants))]
         for name, job in jobs:
@@ -312,16 +320,17 @@ def family_main(args) -> None:
       label = f'{label} {variant}' if len(variants) > 1 else label
       family = family_from_config(config, overrides=overrides)
       makes = {'': family.make, 'scan': sampling_from_config(config, {**overrides, 'scan_blocks': True}).make}
+      params = {'': family.params, 'scan': makes['scan']().prepare(family.params)}
       names = sampler_names(specs, args.scan, len(xla))
       for batch, name in itertools.product(batches, names):
         spec, _, scan = name.split(' ')[0].partition('@')
         sample = makes[scan](policy_from_spec(spec, family.name))
         labels = np.arange(batch, dtype=np.int32) % family.num_classes
-        def arguments(i, sample=sample, labels=labels, family=family):
-          return sample.arguments(family.params, jax.random.key(i), labels, **family.opts)
+        def arguments(i, sample=sample, labels=labels, family=family, params=params[scan]):
+          return sample.arguments(params, jax.random.key(i), labels, **family.opts)
         makers[label, batch, name] = arguments
         futures.append(compile_in(pool, (label, batch, name),
-                                  sample.lower(family.params, jax.random.key(0), labels, **family.opts),
+                                  sample.lower(params[scan], jax.random.key(0), labels, **family.opts),
                                   xla[int(name.partition(' xla')[2] or 0)]))
         order.append((label, batch, name))
     compiled = dict(f.result() for f in futures)

@@ -20,7 +20,7 @@ import time
 import jax
 
 from accel.timing import compiled_in
-from accelerators import MODELS, build, sampler_job
+from accelerators import MODELS, build, layouts, sampler_job
 from sampling import compilation_cache
 
 
@@ -35,6 +35,7 @@ def main():
   t0 = time.perf_counter()
   spec = args.sampler.partition('@')[0]
   var_cfg, vq_cfg, params, _ = build(args.model, args.attn, '' if spec == 'baseline' else spec)
+  params = layouts(var_cfg, vq_cfg, params)
   jax.block_until_ready(params)
   t1 = time.perf_counter()
   lowered, make_args = sampler_job(var_cfg, vq_cfg, params, args.sampler, args.batch)

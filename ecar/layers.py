@@ -74,6 +74,6 @@ class FinalLayer(nn.Module):
 def merged_adaln(params) -> tuple[Array, Array]:
   """Every DiT block's and the final layer's adaLN Linear of one denoiser, concatenated (they all
   read the same SiLU(c)): (kernel [w, (6 depth + 2) w], bias), see `concat_dense`."""
-  depth = sum(1 for k in params if k.startswith('blocks_'))
+  depth = sum(1 for k in params if k.startswith('blocks_') and k[len('blocks_'):].isdigit())
   return concat_dense([params[f'blocks_{i}']['adaLN_modulation'] for i in range(depth)]
                       + [params['final']['adaLN_modulation']])

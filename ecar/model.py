@@ -48,7 +48,7 @@ from ecar.layers import DiTBlock, FinalLayer, patchify, unpatchify
 from var_models.nn import attention as attn_lib
 from var_models.nn import tokens as tok
 from var_models.nn.blocks import BlockHooks, merged_dense, merged_modulations, split_modulations
-from var_models.nn.scan import cache_runs, scan_blocks, scan_runs, stack_layers, through_runs
+from var_models.nn.scan import cache_runs, scan_blocks, scan_runs, stack_of, through_runs
 from var_models.nn.timestep import TimestepEmbedder
 from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
 
@@ -200,9 +200,9 @@ class Denoiser(nn.Module):
     return unpatchify(out, cfg.patch_size, cfg.stage_sizes[self.stage])
 
   def stacked_blocks(self) -> Any:
-    """The blocks' parameters on a leading layer axis, for a sampler to stack once, outside its
-    flow loop (XLA would restack them at every step), and hand to `velocity` (`stacked`)."""
-    return stack_layers([b.variables['params'] for b in self.blocks])
+    """The blocks' parameters on a leading layer axis (`scan.stack_of`), for a sampler to take once,
+    outside its flow loop (XLA would restack them at every step), and hand to `velocity` (`stacked`)."""
+    return stack_of(self.blocks)
 
   def adaln_outputs(self, timesteps: Array, cond: Array, adaln: tuple[Array, Array]) -> Array:
     """The merged adaLN GEMM of every Euler step at once: timesteps [S], cond [B, N_s, W] ->

@@ -40,6 +40,7 @@ from var_models.nn.attention import KVCache, LayerKVCaches
 from var_models.nn.blocks import adaln_ahead_pays, dense_params_in
 from var_models.nn.checks import check_labels
 from var_models.nn.policy import Binding, Halves
+from var_models.nn.scan import block_views, stack_blocks
 
 Array = jax.Array
 
@@ -81,6 +82,12 @@ class _Sampler:
   def __call__(self, params, key: Array, labels, *, cfg: float = 1.5):
     return self._jitted(*self._checked(params, key, labels, cfg))
 
+  def prepare(self, params) -> dict:
+    """`params` as this sampler reads them, made once where they are loaded: scanned, the AR's and
+    each denoiser's blocks stacked (`scan.stack_blocks`), which it would otherwise do on every
+    call; unrolled, as they are. Either layout samples the same images."""
+    return {**params, 'ecar': stack_blocks(params['ecar'], ('blocks',))} if self.scan_blocks else params
+
   def lower(self, params, key, labels, *, cfg: float = 1.5):
     """The lowered program (for compile time and FLOP accounting); params may be ShapeDtypeStructs."""
     return self._jitted.lower(*self._checked(params, key, labels, cfg))
@@ -99,7 +106,7 @@ class _Sampler:
     params, vae_params = all_params['ecar'], all_params.get('vae')
     cfg, b = self.cfg, labels.shape[0]
     dens = [f'denoiser_{s}' for s in range(cfg.num_stages)]
-    v = {'params': {**params, **{d: dense_params_in(params[d], cfg.dtype) for d in dens}}}
+    v = {'params': block_views({**params, **{d: dense_params_in(params[d], cfg.dtype) for d in dens}})}
     cls2 = self.model.apply(v, jnp.concatenate([labels, jnp.full_like(labels, cfg.num_classes)]),
                             method=ECAR.class_embedding)
     head_dim = cfg.ar_width // cfg.ar_heads

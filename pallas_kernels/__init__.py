@@ -9,6 +9,7 @@ NOTES.md beside this file records floors, predictions and measurements.
 """
 from pallas_kernels.column_sums import group_column_sums
 from pallas_kernels.dense_gelu import dense_gelu
+from pallas_kernels.dense_gelu import pays as dense_gelu_pays
 from pallas_kernels.dispatch import IMPLS, override, resolve
 from pallas_kernels.gathered_attention import gathered_attention
 from pallas_kernels.layer_dense import layer_dense
@@ -21,7 +22,7 @@ from pallas_kernels.top_k import top_k_indices
 from pallas_kernels.token_gather import gather_rows, token_scatter, topk_gather
 
 __all__ = [
-    'group_column_sums', 'dense_gelu', 'IMPLS', 'override', 'resolve', 'gathered_attention',
+    'group_column_sums', 'dense_gelu', 'dense_gelu_pays', 'IMPLS', 'override', 'resolve', 'gathered_attention',
     'layer_dense', 'BlockLayout', 'default_block', 'dense_layout', 'layout_density',
     'layout_from_mask', 'layout_from_rows', 'level_causal_layout', 'scale_causal_layout',
     'schedule_levels', 'whole_tile_layout',

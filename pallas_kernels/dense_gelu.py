@@ -18,6 +18,11 @@ from pallas_kernels import dense_gelu_mgpu, dispatch
 AUTO_MIN_ROWS = 8192
 
 
+def pays(rows: int) -> bool:
+  """Whether 'auto' picks the kernel (where the GPU has it) for a GEMM of `rows` rows."""
+  return rows >= AUTO_MIN_ROWS
+
+
 def reference(x, w, b):
   """jax.nn.gelu(x @ w + b, approximate=True): [..., K] x [K, N] + [N] -> [..., N]."""
   return jax.nn.gelu(x @ w + b, approximate=True)
@@ -52,7 +57,7 @@ def dense_gelu(x: jax.Array, w: jax.Array, b: jax.Array, *, impl: str = 'auto') 
   if impl in ('triton', 'interpret'):
     raise ValueError(f"dense_gelu has no {impl!r} kernel: use 'auto', 'mosaic' or 'reference'")
   x2 = x.reshape(-1, x.shape[-1])
-  if impl == 'auto' and x2.shape[0] < AUTO_MIN_ROWS:
+  if impl == 'auto' and not pays(x2.shape[0]):
     impl = 'reference'
   if dispatch.resolve(impl, dense_gelu_mgpu.unsupported(x2, w)) != 'mosaic':
     return reference(x, w, b)

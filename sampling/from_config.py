@@ -50,7 +50,8 @@ class Sampling:
     make        -- policy (None: the baseline) -> sampler; a policy that does not fit fails here;
     tokens      -- aux -> per-scale token ids [[B, n_s], ...] (VAR), else None;
     load        -- (ckpt, key) -> params: from `ckpt` (a converted checkpoint or a training
-                   workdir), else random (the official initialisation) drawn with `key`.
+                   workdir), else random (the official initialisation) drawn with `key`; in the
+                   layout the samplers read (`prepare`: scanned, each list of blocks stacked).
   """
   name: str
   num_classes: int
@@ -81,6 +82,12 @@ def _pick(overrides: dict, key: str, default):
   return default if overrides.get(key) is None else overrides[key]
 
 
+def _prepared(make: Callable[..., Any], load: Callable[[Optional[str], Array], dict]):
+  """`load`, its parameters then in the layout of the family's samplers (`prepare`: scanned, the
+  blocks stacked once here instead of on every call)."""
+  return lambda ckpt, key: make().prepare(load(ckpt, key))
+
+
 def _var(config, o: dict) -> Sampling:
   var_cfg, vq_cfg = var_configs(config)
   s = config.sample
@@ -91,7 +98,7 @@ def _var(config, o: dict) -> Sampling:
                             init_var_params(var_cfg, vq_cfg, key))
   make = lambda policy=None: make_var_sampler(var_cfg, vq_cfg, policy, **settings)
   return Sampling('var', var_cfg.num_classes, ('var', 'vqvae'), opts, settings, make,
-                  lambda aux: list(aux['indices']), load)
+                  lambda aux: list(aux['indices']), _prepared(make, load))
 
 
 def _mar(config, o: dict) -> Sampling:
@@ -108,7 +115,8 @@ def _mar(config, o: dict) -> Sampling:
   make = lambda policy=None: make_mar_sampler(mar_cfg, vae_cfg, guided=guided, policy=policy, **settings)
   load = lambda ckpt, key: (load_mar_params(mar_cfg, vae_cfg, ckpt) if ckpt else
                             init_mar_params(mar_cfg, vae_cfg, key))
-  return Sampling('mar', mar_cfg.class_num, ('mar', 'vae'), opts, settings, make, lambda aux: None, load)
+  return Sampling('mar', mar_cfg.class_num, ('mar', 'vae'), opts, settings, make, lambda aux: None,
+                  _prepared(make, load))
 
 
 def _ecar(config, o: dict) -> Sampling:
@@ -119,7 +127,8 @@ def _ecar(config, o: dict) -> Sampling:
   check_ecar_sample_args(cfg, _NO_LABEL, **opts)
   make = lambda policy=None: make_ecar_sampler(cfg, policy=policy, **settings)
   load = lambda ckpt, key: ecar_params(cfg, ckpt, config.vae_ckpt, key)
-  return Sampling('ecar', cfg.num_classes, ('ecar', 'vae'), opts, settings, make, lambda aux: None, load)
+  return Sampling('ecar', cfg.num_classes, ('ecar', 'vae'), opts, settings, make, lambda aux: None,
+                  _prepared(make, load))
 
 
 _BUILDERS = {'var': _var, 'mar': _mar, 'ecar': _ecar}

@@ -27,8 +27,10 @@ def params():
 
 
 def _both(params, policy=None):
-  return [ecar.make_sampler(CFG, num_steps=STEPS, policy=policy, return_intermediates=True, scan_blocks=scan)(
-      params, jax.random.key(1), LABELS, cfg=2.0) for scan in (False, True)]
+  """(unrolled, scanned over the blocks stacked by `prepare`) samples."""
+  samplers = [ecar.make_sampler(CFG, num_steps=STEPS, policy=policy, return_intermediates=True, scan_blocks=scan)
+              for scan in (False, True)]
+  return [s(s.prepare(params), jax.random.key(1), LABELS, cfg=2.0) for s in samplers]
 
 
 def _assert_same(unrolled, scanned):
@@ -49,6 +51,14 @@ def test_scanned_sampler_gives_the_unrolled_token_maps_and_images(params, monkey
 
 def test_scanned_sampler_with_the_condition_cache_gives_the_unrolled_images(params):
   _assert_same(*_both(params, ECARConditionCache(interval=2)))
+
+
+def test_scanned_sampler_samples_the_same_images_from_parameters_not_prepared(params):
+  sample = ecar.make_sampler(CFG, num_steps=STEPS, scan_blocks=True)
+  prepared = sample.prepare(params)
+  assert 'blocks_stacked' in prepared['ecar']['ar'] and 'blocks_stacked' in prepared['ecar']['denoiser_0']
+  np.testing.assert_array_equal(sample(params, jax.random.key(1), LABELS)[0],
+                                sample(prepared, jax.random.key(1), LABELS)[0])
 
 
 def test_scanned_sampler_traces_with_bfloat16_compute(params):

@@ -35,14 +35,25 @@ def params():
 
 
 def _both(params, policy=None, record=False):
-  return [make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, policy=policy, record=record, scan_blocks=scan)(
-      params, jax.random.key(3), LABELS, cfg=3.0) for scan in (False, True)]
+  """(unrolled, scanned over the blocks stacked by `prepare`) samples."""
+  samplers = [make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, policy=policy, record=record, scan_blocks=scan)
+              for scan in (False, True)]
+  return [s(s.prepare(params), jax.random.key(3), LABELS, cfg=3.0) for s in samplers]
 
 
 def test_scanned_baseline_samples_the_unrolled_tokens(params):
   (images_u, aux_u), (images_s, aux_s) = _both(params)
   np.testing.assert_allclose(aux_u['tokens'], aux_s['tokens'], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(images_u, images_s, rtol=1e-5, atol=1e-5)
+
+
+def test_scanned_sampler_samples_the_same_tokens_from_parameters_not_prepared(params):
+  sample = make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, scan_blocks=True)
+  prepared = sample.prepare(params)
+  assert {'encoder_blocks_stacked', 'decoder_blocks_stacked'} <= set(prepared['mar'])
+  assert 'encoder_blocks_0' not in prepared['mar']
+  np.testing.assert_array_equal(sample(params, jax.random.key(3), LABELS, cfg=3.0)[1]['tokens'],
+                                sample(prepared, jax.random.key(3), LABELS, cfg=3.0)[1]['tokens'])
 
 
 def test_scanned_lazymar_makes_the_unrolled_decisions_and_tokens(params):

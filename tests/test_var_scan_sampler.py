@@ -36,7 +36,7 @@ def _both(var_cfg, vq_cfg, params, policy=None):
   out = []
   for scan in (False, True):
     sample = make_sampler(var_cfg, vq_cfg, policy, scan_blocks=scan, return_fhats=True)
-    out.append(sample(params, jax.random.key(4), LABELS, cfg=1.5, top_k=0, top_p=1.0))
+    out.append(sample(sample.prepare(params), jax.random.key(4), LABELS, cfg=1.5, top_k=0, top_p=1.0))
   return out
 
 
@@ -56,6 +56,12 @@ def _assert_same(unrolled, scanned):
 
 
 def test_scanned_baseline_samples_the_unrolled_images(deep_var):
+  _assert_same(*_both(*deep_var))
+
+
+def test_scanned_fc1_at_the_fused_kernels_row_counts_samples_the_unrolled_images(deep_var, monkeypatch):
+  """Every fc1 through `pallas_kernels.dense_gelu` (its reference on the CPU) on the layer's slice."""
+  monkeypatch.setattr(importlib.import_module('pallas_kernels.dense_gelu'), 'AUTO_MIN_ROWS', 0)
   _assert_same(*_both(*deep_var))
 
 
@@ -83,6 +89,36 @@ def test_the_scanned_program_holds_one_block_per_run(deep_var):
   dots_s, loops_s = qkv_dots(True)
   assert loops_s - loops_u == var_cfg.schedule.num_scales
   assert dots_u == var_cfg.depth * var_cfg.schedule.num_scales and dots_s == var_cfg.schedule.num_scales
+
+
+def test_prepared_parameters_are_stacked_once_not_on_every_call(deep_var):
+  """`prepare` stacks the blocks where the parameters are loaded: the program then stacks none of
+  them (the qkv kernels' stack [depth, C, 3C]), and samples the images of the tree as it was."""
+  var_cfg, vq_cfg, params = deep_var
+  sample = make_sampler(var_cfg, vq_cfg, scan_blocks=True)
+  prepared = sample.prepare(params)
+  assert 'blocks_0' not in prepared['var'] and prepared['var']['blocks_stacked']['attn']['mat_qkv']['kernel'].shape == (
+      var_cfg.depth, var_cfg.width, 3 * var_cfg.width)
+  stack = f'{var_cfg.depth}x{var_cfg.width}x{3 * var_cfg.width}xf32>'
+
+  def stacks(p):
+    text = sample.lower(p, jax.random.key(0), LABELS).as_text()
+    return sum(1 for ln in text.splitlines() if 'stablehlo.concatenate' in ln and ln.endswith(stack))
+  assert stacks(params) > 0 and stacks(prepared) == 0   # (one per scan before XLA merges them)
+  images, _ = sample(params, jax.random.key(4), LABELS)
+  np.testing.assert_array_equal(images, sample(prepared, jax.random.key(4), LABELS)[0])
+
+
+def test_stack_blocks_and_block_views_give_back_each_block():
+  block = lambda i: {'dense': {'kernel': jnp.full((2, 3), float(i)), 'bias': jnp.full((3,), -float(i))}}
+  tree = {'inner': {f'blocks_{i}': block(i) for i in range(3)}, 'blocks_0': block(7), 'head': {'kernel': jnp.ones(2)}}
+  stacked = scan_module.stack_blocks(tree, ('blocks',))
+  assert sorted(stacked['inner']) == ['blocks_stacked'] and 'blocks_0' in stacked   # a list of one stays
+  assert stacked['inner']['blocks_stacked']['dense']['kernel'].shape == (3, 2, 3)
+  views = scan_module.block_views(stacked)
+  for i in range(3):
+    jax.tree.map(np.testing.assert_array_equal, views['inner'][f'blocks_{i}'], block(i))
+  jax.tree.map(np.testing.assert_array_equal, views['blocks_0'], block(7))
 
 
 def test_runs_group_blocks_that_compute_alike_with_caches_of_one_length():

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from var_models.mar.diffloss import DiffLossConfig, SimpleMLPAdaLN, diffloss_loss, init_diffloss
 from var_models.nn import attention as attn_lib
 from var_models.nn import tokens as tok
-from var_models.nn.scan import hooks_group, scan_runs, stack_layers, through_runs
+from var_models.nn.scan import hooks_group, scan_runs, stack_of, through_runs
 from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
 
 Array = jax.Array
@@ -230,9 +230,9 @@ class MAR(nn.Module):
     return unpatchify(self.cfg, tokens)
 
   def stacked_blocks(self) -> dict:
-    """{'encoder', 'decoder'}: each stack's block parameters on a leading layer axis, for a sampler
-    to stack once, outside its loop, and hand to `run_encoder`/`run_decoder` (`stacked`)."""
-    return {name: stack_layers([b.variables['params'] for b in blocks])
+    """{'encoder', 'decoder'}: each stack's block parameters on a leading layer axis (`scan.stack_of`),
+    for a sampler to take once, outside its loop, and hand to `run_encoder`/`run_decoder` (`stacked`)."""
+    return {name: stack_of(blocks)
             for name, blocks in (('encoder', self.encoder_blocks), ('decoder', self.decoder_blocks))}
 
   def _run(self, blocks, x: Array, mask: attn_lib.Mask, train: bool, hooks, state, scan: bool, stacked):

@@ -66,6 +66,7 @@ from var_models.nn import attention as attn_lib
 from var_models.nn.blocks import dense_params_in
 from var_models.nn.checks import check_labels
 from var_models.nn.policy import Binding, Halves
+from var_models.nn.scan import block_views, stack_blocks
 from var_models.tokenizers.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
 
 Array = jax.Array
@@ -136,6 +137,14 @@ class _MARSampler:
                                  forced_tokens)
     return self._jitted(*args, **static)
 
+  def prepare(self, params) -> dict:
+    """`params` as this sampler reads them, made once where they are loaded: scanned, the encoder's
+    and the decoder's blocks stacked (`scan.stack_blocks`), which it would otherwise do on every
+    call; unrolled, as they are. Either layout samples the same images."""
+    if not self.scan_blocks:
+      return params
+    return {**params, 'mar': stack_blocks(params['mar'], ('encoder_blocks', 'decoder_blocks'))}
+
   def lower(self, params, key, labels, *, cfg: float = 1.0, cfg_schedule: str = 'linear',
             temperature: float = 1.0, orders=None, noises=None, forced_tokens=None):
     """The lowered program (for compile-time and FLOP accounting)."""
@@ -202,7 +211,8 @@ class _MARSampler:
     """(params with the blocks' and the head's Dense weights in the compute dtype, the scanned
     blocks' stacks ({} unrolled), {head cache: its `head_adaln`} of the distinct `heads`): made
     once per call, outside the iteration loop (XLA moves none of it out of the loop)."""
-    mar = {k: dense_params_in(v, self.mar_cfg.dtype) if k.startswith(_CAST) else v for k, v in params['mar'].items()}
+    mar = block_views({k: dense_params_in(v, self.mar_cfg.dtype) if k.startswith(_CAST) else v
+                       for k, v in params['mar'].items()})
     stacked = self.model.apply({'params': mar}, method=MAR.stacked_blocks) if self.scan_blocks else {}
     adaln = {c: head_adaln(self.head, mar['diffloss'], c, self.diffusion.num_timesteps) for c in heads}
     return {**params, 'mar': mar}, stacked, adaln

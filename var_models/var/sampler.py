@@ -24,6 +24,7 @@ from var_models.nn import tokens as tok
 from var_models.nn.attention import KVCache, LayerKVCaches
 from var_models.nn.checks import check_labels
 from var_models.nn.resample import area_resize
+from var_models.nn.scan import block_views, stack_blocks
 from var_models.nn.policy import Halves
 from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig
 from var_models.var.model import VAR, VARConfig
@@ -123,6 +124,12 @@ class _Sampler:
     args, static = self._checked(params, key, labels, cfg, top_k, top_p)
     return self._jitted(*args, **static)
 
+  def prepare(self, params) -> dict:
+    """`params` as this sampler reads them, made once where they are loaded: scanned, the blocks'
+    parameters stacked (`scan.stack_blocks`), which it would otherwise do on every call;
+    unrolled, as they are. Either layout samples the same images."""
+    return {**params, 'var': stack_blocks(params['var'], ('blocks',))} if self.scan_blocks else params
+
   def lower(self, params, key, labels, *, cfg=1.5, top_k=0, top_p=1.0):
     """The lowered program (for compile-time and FLOP accounting)."""
     args, static = self._checked(params, key, labels, cfg, top_k, top_p)
@@ -139,7 +146,7 @@ class _Sampler:
 
   def _sample(self, params, key, labels, cfg, *, top_k: int, top_p: float):
     vc, sched, policy = self.var_cfg, self.sched, self.policy
-    vp, qp = {'params': params['var']}, {'params': params['vqvae']}
+    vp, qp = {'params': block_views(params['var'])}, {'params': params['vqvae']}
     b = labels.shape[0]
     cond2 = self.model.apply(vp, jnp.concatenate([labels, jnp.full_like(labels, vc.num_classes)]),
                              method=VAR.cond_embed)
