@@ -122,12 +122,11 @@ class ARTransformer(nn.Module):
 
     def call(block, i, block_hooks, h, carry, run):
       caches, s = carry
-      first = i if run is None else run[0]
-      length, rows = caches.lengths[first], None if run is None else h.shape[1]
-      h, kv, s = block(h, mask=mask, kv=caches.layer(i, length, rows), hooks=block_hooks, state=s)
+      h, kv, s = block(h, mask=mask, kv=caches.layer(i, caches.lengths[i if run is None else run[0]]),
+                       hooks=block_hooks, state=s)
       for j in run or [i]:
         lengths[j] = kv.length
-      return h, (caches.put(i, kv, length), s)
+      return h, (caches.put(kv), s)
     x, (kvs, state) = through_runs(self.blocks, cache_runs(hooks, kvs.lengths), hooks, x, (kvs, state), call)
     return tok.dense(x), kvs.with_lengths(tuple(lengths)), state
 

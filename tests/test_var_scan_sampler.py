@@ -14,7 +14,7 @@ import pallas_kernels as pk
 from accel import FastVAR, LazyVAR, SparVAR
 from accel.fastvar import FastVARHooks
 from var_models.nn import scan as scan_module
-from var_models.nn.attention import KVCache, LayerKVCaches
+from var_models.nn.attention import LayerKVCaches
 from var_models.nn.blocks import BlockHooks
 from var_models.var.model import init_params
 from var_models.var.sampler import make_sampler
@@ -152,28 +152,22 @@ def test_the_fastvar_blocks_of_a_pruned_scale_run_as_one_scan(deep_var, monkeypa
     assert sum(ln.endswith(f'x{side * side}x{3 * var_cfg.width}xf32>') for ln in qkv) == 2, side
 
 
-def test_layer_caches_put_writes_only_the_new_rows_of_the_layer():
-  caches = LayerKVCaches.create(3, 2, 6, 1, 4, jnp.float32).with_lengths((2, 2, 1))
-  caches = LayerKVCaches(caches.k + 1, caches.v + 2, caches.lengths)
-  layer = caches.layer(1)
-  new = layer.append(jnp.full((2, 3, 1, 4), 7.0), jnp.full((2, 3, 1, 4), 8.0))
-  out = caches.put(jnp.int32(1), new, 2)
-  want_k = np.ones((3, 2, 6, 1, 4), np.float32)
+def test_a_layer_slot_writes_the_new_keys_in_place_and_attends_over_exactly_its_own():
+  caches = LayerKVCaches.create(3, 2, 9, 1, 4, jnp.float32).with_lengths((2, 2, 1))
+  caches = LayerKVCaches(caches.k + jnp.arange(3.0)[:, None, None, None, None], caches.v + 2, caches.lengths)
+  slot = caches.layer(jnp.int32(1), 2)
+  keys, values, kv_len, slot = slot.attend(jnp.full((2, 3, 1, 4), 7.0), jnp.full((2, 3, 1, 4), 8.0), None)
+  assert keys.shape == values.shape == (2, 5, 1, 4) and kv_len is None and slot.length == 5
+  np.testing.assert_array_equal(keys[:, :2], 1.0)
+  np.testing.assert_array_equal(keys[:, 2:], 7.0)
+  out = caches.put(slot)
+  want_k = np.broadcast_to(np.arange(3.0)[:, None, None, None, None], (3, 2, 9, 1, 4)).copy()
   want_k[1, :, 2:5] = 7.0
   np.testing.assert_array_equal(out.k, want_k)
   assert out.v[1, 0, 4, 0, 0] == 8.0 and out.v[1, 0, 5, 0, 0] == 2.0 and out.lengths == (2, 2, 1)
-  assert isinstance(layer, KVCache) and layer.length == 2
-
-
-def test_a_scanned_layer_takes_only_its_valid_keys_and_room_for_the_step():
-  caches = LayerKVCaches.create(3, 2, 9, 1, 4, jnp.float32)
-  caches = LayerKVCaches(caches.k + jnp.arange(3.0)[:, None, None, None, None], caches.v, (4, 4, 4))
-  layer = caches.layer(jnp.int32(2), 4, rows=3)
-  assert layer.k.shape == (2, 7, 1, 4) and layer.length == 4
-  np.testing.assert_array_equal(layer.k, 2.0)
-  assert caches.layer(0, rows=8).capacity == 9     # never past the buffer
+  assert caches.layer(2).length == 1   # an int's length from `lengths`
   with pytest.raises(ValueError, match='overflow'):
-    layer.append(jnp.ones((2, 4, 1, 4)), jnp.ones((2, 4, 1, 4)))
+    caches.layer(0).attend(jnp.ones((2, 8, 1, 4)), jnp.ones((2, 8, 1, 4)), None)
 
 
 def test_scanned_dense_layers_read_the_stacked_weights_in_place(deep_var, monkeypatch):

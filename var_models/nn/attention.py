@@ -268,14 +268,35 @@ class KVCache:
 
 
 @flax.struct.dataclass
+class LayerSlot:
+  """Layer `layer`'s cache (an int, or a scan's traced index) in the stacked buffers k, v [depth, B,
+  capacity, H, D] of `LayerKVCaches`, `length` (static) keys valid. `attend` writes the step's keys
+  into the stack in place, then copies the layer's keys out [B, length + l, H, D], as the
+  attention kernels take whole buffers: each new key written once, no key copied twice."""
+  k: jax.Array
+  v: jax.Array
+  layer: Any
+  length: int = flax.struct.field(pytree_node=False, default=0)
+
+  def attend(self, k: jax.Array, v: jax.Array, mask: 'Mask'):
+    """Appends k, v [B, l, H, D] -> (keys, values [B, length + l, H, D], None, the slot after)."""
+    end = self.length + k.shape[1]
+    if end > self.k.shape[2]:
+      raise ValueError(f'KV cache overflow: {self.length} + {k.shape[1]} > capacity {self.k.shape[2]}')
+    at = (self.layer, 0, self.length, 0, 0)
+    k_all, v_all = (jax.lax.dynamic_update_slice(a, x[None].astype(a.dtype), at) for a, x in ((self.k, k), (self.v, v)))
+    keys, values = (jax.lax.dynamic_index_in_dim(a, self.layer, 0, keepdims=False)[:, :end] for a in (k_all, v_all))
+    return keys, values, None, LayerSlot(k_all, v_all, self.layer, end)
+
+
+@flax.struct.dataclass
 class LayerKVCaches:
   """The KV caches of `depth` layers as one buffer each: k, v [depth, B, capacity, H, D].
 
   `lengths` (static) holds each layer's valid length: layers whose policy forwarded fewer tokens
-  hold fewer keys. Layer i's cache is `layer(i)`; a scan over layers of one length takes it with
-  a traced i (`layer(i, length, rows)`: the layer's valid keys copied out, with room for the
-  step's, as the attention kernels take whole buffers), and `put(i, kv)` writes the layer's new
-  rows back in place, so the stacked buffer itself is never copied.
+  hold fewer keys. Layer i's cache is `layer(i)` (i an int, or a scan's traced index with the
+  static length of its run's layers), a `LayerSlot` that writes the layer's new keys into the
+  buffers in place; `put(i, slot)` takes the buffers back, so they are never copied whole.
   """
   k: jax.Array
   v: jax.Array
@@ -287,24 +308,14 @@ class LayerKVCaches:
     k, v = _zero_buffers(2, (depth, batch, capacity, heads, head_dim), dtype)
     return cls(k, v, (0,) * depth)
 
-  def layer(self, i, length: Optional[int] = None, rows: Optional[int] = None) -> KVCache:
-    """Layer i's cache: i an int, or traced with its static `length`. [B, capacity, H, D], or with
-    `rows` only room for that many more keys ([B, length + rows, H, D]: a scanned layer copies
-    its slice of the buffer, so it copies no more than its keys and this step's)."""
-    length = self.lengths[i] if length is None else length
-    end = self.k.shape[2] if rows is None else min(length + rows, self.k.shape[2])
-    k, v = (jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)[:, :end] for a in (self.k, self.v))
-    return KVCache(k, v, length)
+  def layer(self, i, length: Optional[int] = None) -> LayerSlot:
+    """Layer i's cache: i an int (its length from `lengths`), or traced with its static `length`."""
+    return LayerSlot(self.k, self.v, i, self.lengths[i] if length is None else length)
 
-  def put(self, i, kv: KVCache, length: Optional[int] = None) -> 'LayerKVCaches':
-    """Writes rows [length, kv.length) of layer i's cache `kv` back (i and `length` as in `layer`);
-    `lengths` is unchanged (`with_lengths` sets them once every layer is written)."""
-    start = self.lengths[i] if length is None else length
-    rows = (slice(None), slice(start, kv.length))
-    at = (i, 0, start, 0, 0)
-    k = jax.lax.dynamic_update_slice(self.k, kv.k[rows][None].astype(self.k.dtype), at)
-    v = jax.lax.dynamic_update_slice(self.v, kv.v[rows][None].astype(self.v.dtype), at)
-    return LayerKVCaches(k, v, self.lengths)
+  def put(self, slot: LayerSlot) -> 'LayerKVCaches':
+    """The buffers of `slot` (from `layer`, after its `attend`); `lengths` is unchanged
+    (`with_lengths` sets them once every layer is written)."""
+    return LayerKVCaches(slot.k, slot.v, self.lengths)
 
   def with_lengths(self, lengths: tuple[int, ...]) -> 'LayerKVCaches':
     return LayerKVCaches(self.k, self.v, tuple(lengths))

@@ -184,7 +184,7 @@ class VAR(nn.Module):
       if len(run) == 1:
         i = run[0]
         x, kv, state = self.blocks[i](x, mods[i], mask=mask, kv=kvs.layer(i), hooks=run_hooks[0], state=state)
-        kvs, lengths[i] = kvs.put(i, kv), kv.length
+        kvs, lengths[i] = kvs.put(kv), kv.length
         continue
       x, kvs, state, length = self._scan_run(run, run_hooks, tok.dense(x), mods, mask, kvs, state)
       for i in run:
@@ -207,13 +207,13 @@ class VAR(nn.Module):
       x, caches, shared = carry
       mod, own = layer
       hooks = None if template is None else template.for_layer(i)
-      x, kv, out = block(x, mod, mask=mask, kv=caches.layer(i, length, x.shape[1]), hooks=hooks,
+      x, kv, out = block(x, mod, mask=mask, kv=caches.layer(i, length), hooks=hooks,
                          state=shared if template is None else {**shared, **own})
       new_length.append(kv.length)
       if template is not None:
         shared = {k: v for k, v in out.items() if k not in names[0]}
         own = {t: out[t] for t in names[0] if t in out}
-      return (tok.dense(x), caches.put(i, kv, length), shared), own
+      return (tok.dense(x), caches.put(kv), shared), own
     (x, kvs, state), own = scan_blocks(self.blocks, run, (x, kvs, shared),
                                        (jnp.stack([mods[i] for i in run]), given), call)
     for j, t in enumerate(names[0]):
