@@ -178,13 +178,14 @@ def print_top_device_ops(run: Callable[[], None], logdir: str, top: int = 30) ->
 
 # Kernel classes by name, first match wins: cuDNN / Pallas attention (with cuDNN's dO.O pre-pass of
 # its backward), convolutions (not XLA's `convert` fusions, which are casts), GEMMs (cuBLAS,
-# CUTLASS, Triton, Mosaic GPU: the only Mosaic kernels outside attention are GEMM-shaped), NCCL
+# CUTLASS, Triton, Mosaic GPU: the only Mosaic kernels outside attention are GEMM-shaped; the
+# Pallas `layer_dense`), NCCL
 # collectives, then XLA's own fusions by their kind (reductions: norms, loss, softmax; copies and
 # transposes; the rest elementwise).
 KERNEL_CLASSES = (
     ('attention', ('sdpa', 'flash', 'fmha', 'attention', 'dot_do_o')),
     ('conv', ('fprop', 'dgrad', 'wgrad', 'implicit', 'convolution', 'convolve')),
-    ('gemm', ('gemm', 'nvjet', 'xmma', 'cutlass', 'mosaic', 'matmul', 'dot')),
+    ('gemm', ('gemm', 'nvjet', 'xmma', 'cutlass', 'mosaic', 'matmul', 'dot', 'layer_dense')),
     ('collective', ('nccl', 'all-reduce', 'all_reduce', 'allreduce', 'all-gather', 'reduce-scatter')),
     ('reduce', ('reduce', 'scatter')),
     ('copy', ('copy', 'transpose', 'memcpy', 'memset', 'dynamic_update_slice', 'concatenate')),
