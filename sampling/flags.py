@@ -28,7 +28,8 @@ EULER = flags.DEFINE_integer('num_steps', None, 'E-CAR: Euler steps in all, spli
 ENCODER_SIZES = flags.DEFINE_integer('encoder_sizes', None, "MAR: the encoder's lengths compiled, the known "
                                      'positions padded into at most this many (0: every position, one length)')
 
-_FAMILY_FLAGS = {'var': (TOP_K, TOP_P, SCAN), 'mar': (NUM_ITER, TEMP, SCHEDULE, STEPS, SCAN, ENCODER_SIZES), 'ecar': (EULER,)}
+_FAMILY_FLAGS = {'var': (TOP_K, TOP_P, SCAN), 'mar': (NUM_ITER, TEMP, SCHEDULE, STEPS, SCAN, ENCODER_SIZES),
+                 'ecar': (EULER, SCAN)}
 FAMILY_NAMES = {'var': 'VAR', 'mar': 'MAR', 'ecar': 'E-CAR'}
 
 

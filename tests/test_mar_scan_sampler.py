@@ -120,11 +120,12 @@ def test_the_config_and_its_override_choose_the_scan():
   assert sampling_from_config(config, {'scan_blocks': True}).settings['scan_blocks'] is True
 
 
-def test_scan_blocks_is_a_flag_of_var_and_mar_configs_both():
+def test_scan_blocks_is_a_flag_of_every_family_and_num_iter_of_mar_alone():
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
   with flagsaver.flagsaver(scan_blocks=True):
-    for family in ('var', 'mar'):
+    for family in ('var', 'mar', 'ecar'):
       sampling_flags.check_family(ml_collections.ConfigDict({'family': family}))
-    with pytest.raises(ValueError, match="--scan_blocks applies to VAR and MAR configs, not to config.family='ecar'"):
+  with flagsaver.flagsaver(num_iter=8):
+    with pytest.raises(ValueError, match="--num_iter applies to MAR configs, not to config.family='ecar'"):
       sampling_flags.check_family(ml_collections.ConfigDict({'family': 'ecar'}))
