@@ -112,19 +112,23 @@ def _init_params(var_cfg: VARConfig, vq_cfg: VQVAEConfig):
   return jax.jit(init)(jax.random.key(0))
 
 
+# --scan -> the suffixes of the sampler names it times ('@scan': blocks scanned).
+SCAN_MODES = {'off': ('',), 'on': ('@scan',), 'both': ('', '@scan')}
+
+
 def sampler_names(specs: tuple[str, ...], scan: str, variants: int = 1) -> tuple[str, ...]:
   """The samplers of a model: the baseline and each spec, unrolled (`spec`), with their blocks
   scanned (`spec@scan`), or both (--scan off / on / both), the unrolled baseline first; each
   compiled under every set of --xla options after the first too (`spec@scan xla1`, ...)."""
-  modes = {'off': ('',), 'on': ('@scan',), 'both': ('', '@scan')}[scan]
-  return tuple(spec + mode + (f' xla{k}' if k else '') for k in range(variants) for mode in modes
+  return tuple(spec + mode + (f' xla{k}' if k else '') for k in range(variants) for mode in SCAN_MODES[scan]
                for spec in ('baseline',) + specs)
 
 
-def layouts(var_cfg, vq_cfg, params) -> dict:
+def layouts(var_cfg, vq_cfg, params, scan: str) -> dict:
   """{'': params, 'scan': params as the scanned samplers read them (`prepare`: the blocks stacked)},
-  what `sampler_job` takes."""
-  return {'': params, 'scan': make_sampler(var_cfg, vq_cfg, scan_blocks=True).prepare(params)}
+  each only where --scan (`scan`) times such samplers: what `sampler_job` takes."""
+  return {mode[1:]: make_sampler(var_cfg, vq_cfg, scan_blocks=bool(mode)).prepare(params)
+          for mode in SCAN_MODES[scan]}
 
 
 def sampler_job(var_cfg, vq_cfg, params, name: str, batch: int):
@@ -190,10 +194,10 @@ def lower_and_compile(args, batches):
   with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
     for model in args.models.split(','):
       var_cfg, vq_cfg, params, specs = models[model] = build(model, args.attn, args.policies)
-      params = layouts(var_cfg, vq_cfg, params)
+      layout = layouts(var_cfg, vq_cfg, params, args.scan)
       for batch in batches:
-        jobs = [('decoder', lambda: decoder_job(vq_cfg, params[''], batch))]
-        jobs += [(name, lambda name=name: sampler_job(var_cfg, vq_cfg, params, name, batch))
+        jobs = [('decoder', lambda: decoder_job(vq_cfg, params, batch))]
+        jobs += [(name, lambda name=name: sampler_job(var_cfg, vq_cfg, layout, name, batch))
                  for name in sampler_names(specs, args.scan, len(variants))]
         for name, job in jobs:
           lowered, makers[model, batch, name] = job()
@@ -320,7 +324,7 @@ def family_main(args) -> None:
       label = f'{label} {variant}' if len(variants) > 1 else label
       family = family_from_config(config, overrides=overrides)
       makes = {'': family.make, 'scan': sampling_from_config(config, {**overrides, 'scan_blocks': True}).make}
-      params = {'': family.params, 'scan': makes['scan']().prepare(family.params)}
+      params = {mode[1:]: makes[mode[1:]]().prepare(family.params) for mode in SCAN_MODES[args.scan]}
       names = sampler_names(specs, args.scan, len(xla))
       for batch, name in itertools.product(batches, names):
         spec, _, scan = name.split(' ')[0].partition('@')

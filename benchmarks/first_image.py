@@ -35,7 +35,7 @@ def main():
   t0 = time.perf_counter()
   spec = args.sampler.partition('@')[0]
   var_cfg, vq_cfg, params, _ = build(args.model, args.attn, '' if spec == 'baseline' else spec)
-  params = layouts(var_cfg, vq_cfg, params)
+  params = layouts(var_cfg, vq_cfg, params, 'on' if args.sampler.partition('@')[2] else 'off')
   jax.block_until_ready(params)
   t1 = time.perf_counter()
   lowered, make_args = sampler_job(var_cfg, vq_cfg, params, args.sampler, args.batch)

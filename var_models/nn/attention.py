@@ -296,7 +296,7 @@ class LayerKVCaches:
   `lengths` (static) holds each layer's valid length: layers whose policy forwarded fewer tokens
   hold fewer keys. Layer i's cache is `layer(i)` (i an int, or a scan's traced index with the
   static length of its run's layers), a `LayerSlot` that writes the layer's new keys into the
-  buffers in place; `put(i, slot)` takes the buffers back, so they are never copied whole.
+  buffers in place; `put(slot)` takes the buffers back, so they are never copied whole.
   """
   k: jax.Array
   v: jax.Array
