@@ -33,9 +33,9 @@ def main():
   args = compilation_cache.parse_args(ap)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   t0 = time.perf_counter()
-  spec = args.sampler.partition('@')[0]
+  spec, _, scan = args.sampler.partition('@')
   var_cfg, vq_cfg, params, _ = build(args.model, args.attn, '' if spec == 'baseline' else spec)
-  params = layouts(var_cfg, vq_cfg, params, 'on' if args.sampler.partition('@')[2] else 'off')
+  params = layouts(var_cfg, vq_cfg, params, 'on' if scan else 'off')
   jax.block_until_ready(params)
   t1 = time.perf_counter()
   lowered, make_args = sampler_job(var_cfg, vq_cfg, params, args.sampler, args.batch)

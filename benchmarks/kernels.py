@@ -31,8 +31,9 @@
     `pk.top_k_indices` (a set, in index order) against lax.top_k (XLA sorts each row),
     exact set equality, bandwidth against the device copy.
 (g) A dense layer of weights stacked on a layer axis (a scanned block's) at Infinity-2B's four
-    shapes and 2-128 rows, 32 layers in a loop: `pk.layer_dense` against XLA's GEMM of the
-    copied slice and of separate weights, against the floor of reading the weights once.
+    shapes (or --layer_dense_shapes), 2-128 rows, 32 layers in a loop: `pk.layer_dense` against
+    XLA's GEMM of the copied slice and of separate weights, against the floor (the weights read
+    once, or the FLOPs at the peak where those take longer).
 
 Every kernel is first checked against a float32 XLA computation on the same
 bf16 inputs (relative L2 error). Times: medians over repetitions of many
@@ -562,21 +563,22 @@ def bench_column_sums(args, ceil):
 # -------------------------------------------------------------------------- (g)
 def layer_dense_tilings(configs: str, k: int, n: int):
   """(row name, layer_dense tiling) of each of --layer_dense_configs ('128x64s4w4p3': block_n x
-  block_k, K splits, warps, stages) that fits K and N."""
+  block_k, K splits, warps, stages; 'm128:' ahead sets the row block) that fits K and N."""
   for cfg in filter(None, configs.split(',')):
-    bn, bk, splits, warps, stages = map(int, re.fullmatch(r'(\d+)x(\d+)s(\d+)w(\d+)p(\d+)', cfg).groups())
+    bm, bn, bk, splits, warps, stages = (int(g or 0) for g in re.fullmatch(
+        r'(?:m(\d+):)?(\d+)x(\d+)s(\d+)w(\d+)p(\d+)', cfg).groups())
     if not tiling_error(k, n, bn, bk, splits):
-      yield f'pallas {cfg}', dict(block_n=bn, block_k=bk, splits=splits, num_warps=warps, num_stages=stages)
+      yield f'pallas {cfg}', dict(block_m=bm, block_n=bn, block_k=bk, splits=splits, num_warps=warps, num_stages=stages)
 
 
 def bench_layer_dense(args, ceil):
-  """One Dense of each of 32 layers, its weights stacked on a layer axis (a scanned block's),
+  """One Dense of each of --layer_dense_depth layers, its weights stacked on a layer axis (a scanned block's),
   summed over the layers in a loop: `pk.layer_dense` (weights read in place) against XLA's GEMM of
-  the copied slice (the scan without the kernel) and of 32 separate weights (the unrolled blocks),
-  with the floor of reading every layer's weights once."""
+  the copied slice (the scan without the kernel) and of separate weights (the unrolled blocks),
+  with the floor: every layer's weights read once, or its FLOPs at the peak where those take longer."""
   impl = 'interpret' if args.smoke else 'triton'
-  depth, dtype = (2, jnp.float32) if args.smoke else (32, jnp.bfloat16)
-  shapes = [(64, 128)] if args.smoke else [(2048, 6144), (2048, 2048), (2048, 8192), (8192, 2048)]
+  depth, dtype = (2, jnp.float32) if args.smoke else (args.layer_dense_depth, jnp.bfloat16)
+  shapes = [(64, 128)] if args.smoke else [tuple(map(int, s.split('x'))) for s in args.layer_dense_shapes.split(',')]
   row_counts = (2, 16) if args.smoke else tuple(int(r) for r in args.layer_dense_rows.split(','))
   rows = []
   for k, n in shapes:
@@ -597,12 +599,13 @@ def bench_layer_dense(args, ceil):
       }
       for name, tiling in layer_dense_tilings(args.layer_dense_configs, k, n):
         variants[name] = (looped(impl, **tiling), (x, w, b))
-      _, floor = floor_ms(0, depth * k * n * jnp.dtype(dtype).itemsize, ceil)
+      floor = max(floor_ms(2 * depth * m * k * n, depth * k * n * jnp.dtype(dtype).itemsize, ceil))
       for name, (fn, inputs) in variants.items():
         compile_s, ms = timeit(fn, [inputs], 2 if args.smoke else 50)
         err = rel_err(jax.jit(fn)(*inputs), want)
         rows.append((f'{depth} x [{k}, {n}], {m} rows', name, ms * 1e3, floor / ms, err, compile_s))
-  table('(g) a dense layer of stacked weights per layer, summed over the layers (floor: the weights read once)',
+  table('(g) a dense layer of stacked weights per layer, summed over the layers (floor: the weights read once, '
+        'or the FLOPs at the peak)',
         ['shape', 'variant', 'median us', 'fraction of floor', 'rel. L2 error', 'compile s'], rows)
 
 
@@ -635,6 +638,9 @@ def main():
   p.add_argument('--layer_dense_configs', default='',
                  help="extra tilings for (g), e.g. '128x64s4w4p3' (block_n x block_k, K splits, warps, stages)")
   p.add_argument('--layer_dense_rows', default='2,16,64,128', help='row counts of (g)')
+  p.add_argument('--layer_dense_shapes', default='2048x6144,2048x2048,2048x8192,8192x2048',
+                 help="KxN weight shapes of (g) (default Infinity-2B's; MAR-H's: 1280x3840,1280x1280,1280x5120,5120x1280)")
+  p.add_argument('--layer_dense_depth', type=int, default=32, help='layers of (g)')
   p.add_argument('--bwd_configs', default='',
                  help="extra backward variants for (b), e.g. '32x64w4,64x128w8'")
   args = compilation_cache.parse_args(p)

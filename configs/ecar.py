@@ -49,7 +49,8 @@ weights' own Adam learning rate (1e-3; 1e-2 for tiny's short runs) is ours.
 (the paper's evaluation); the paper gives no CFG scale: 1.5 (DiT's FID setting);
 scan_blocks: the AR's and each denoiser's blocks as one lax.scan (compiles once
 per run of blocks; benchmarks/RESULTS.md has its run time). `model.scan_blocks`: the
-same for the train step (one block compiled per stack; the parameters unchanged).
+same for the train step (one block compiled per stack; the parameters unchanged); off,
+since E-CAR-B's step on an H200 then compiles in 48 s against 60 but runs 1.36x longer.
 `vae_ckpt` names the frozen SDXL VAE (`python -m var_models.convert sdxl-vae`);
 empty = random.
 """

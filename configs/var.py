@@ -80,9 +80,9 @@ def _official(depth: int) -> ml_collections.ConfigDict:
   c.dtype = 'bfloat16'           # compute dtype; parameters stay float32
   c.attn_backend = 'cudnn'       # 'xla' runs everywhere; 'cudnn' needs an NVIDIA GPU
   # The paper's FID settings; scan_blocks: each scale's blocks as one lax.scan (compiles once per
-  # scale, not once per block; benchmarks/RESULTS.md has its run time).
+  # scale, not once per block: VAR-d30 in 13.7 s against 68.0, and runs no slower, RESULTS.md).
   c.sample = ml_collections.ConfigDict(dict(cfg=1.5, top_k=900, top_p=0.96, seed=0, batch_size=16,
-                                            scan_blocks=False))
+                                            scan_blocks=True))
   batch, tblr, epochs, wpe = _TRAINING.get(depth, _TRAINING[16])
   c.train = common.train_config(
       steps=common.steps_for_epochs(epochs, batch), batch_size=batch, lr=tblr * batch / 256,

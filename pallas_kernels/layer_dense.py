@@ -141,13 +141,13 @@ def _resolve(x2, w, impl: str) -> str:
 
 
 def layer_dense(x: jax.Array, w: jax.Array, b: Optional[jax.Array], layer, *, impl: str = 'auto',
-                block_n: int = 0, block_k: int = BLOCK_K, splits: int = 0, num_warps: int = 4,
+                block_m: int = 0, block_n: int = 0, block_k: int = BLOCK_K, splits: int = 0, num_warps: int = 4,
                 num_stages: int = 3) -> jax.Array:
   """x [..., K] @ w[layer] + b[layer] -> [..., N] in x's dtype; w [L, K, N], b [L, N] or None,
   `layer` an int scalar (traced or not). `impl`: as `dispatch.resolve` ('mosaic' is not built);
   'auto' keeps more than AUTO_MAX_ROWS rows, and shapes `unsupported` names, on the reference.
-  The tiling (0: chosen as the module docstring says) is for benchmarks: `block_k` must divide
-  K, `splits` K // block_k."""
+  The tiling (0: chosen as the module docstring says; block_m 16 up to 16 rows, else 64) is for
+  benchmarks: `block_m` a multiple of 16, `block_k` must divide K, `splits` K // block_k."""
   if w.ndim != 3 or x.shape[-1] != w.shape[1] or (b is not None and b.shape != (w.shape[0], w.shape[2])):
     raise ValueError(f'layer_dense expects x [..., K], w [L, K, N], b [L, N]; got {x.shape}, {w.shape}, '
                      f'{None if b is None else b.shape}')
@@ -158,7 +158,9 @@ def layer_dense(x: jax.Array, w: jax.Array, b: Optional[jax.Array], layer, *, im
   if why := unsupported(x2, w):
     raise ValueError(f'layer_dense kernel: {why}')
   rows, n = x2.shape[0], w.shape[2]
-  block_m = 16 if rows <= 16 else 64
+  block_m = block_m or (16 if rows <= 16 else 64)
+  if block_m % 16:
+    raise ValueError(f'layer_dense tiling: block_m {block_m} is not a multiple of 16')
   m = -(-rows // block_m) * block_m
   block_n = block_n or _block(n, BLOCK_N_CHOICES)
   k_steps = x2.shape[1] // block_k

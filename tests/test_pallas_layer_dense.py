@@ -39,9 +39,10 @@ def test_kernel_takes_a_traced_layer_inside_a_scan_and_leading_axes():
 
 
 @pytest.mark.parametrize('tiling', [dict(block_n=32, block_k=32, splits=1), dict(block_n=16, block_k=64, splits=3),
-                                    dict(block_n=64, block_k=16, splits=6, num_warps=8, num_stages=4)])
+                                    dict(block_n=64, block_k=16, splits=6, num_warps=8, num_stages=4),
+                                    dict(block_m=32, block_n=64, block_k=64, splits=1)])
 def test_every_tiling_computes_the_same_layer(tiling):
-  x, w, b = _inputs(5, 192, 64)
+  x, w, b = _inputs(37, 192, 64)
   got = layer_dense(x, w, b, 2, impl='interpret', **tiling)
   np.testing.assert_allclose(got, x @ w[2] + b[2], rtol=2e-5, atol=2e-5)
 
@@ -52,6 +53,8 @@ def test_a_tiling_that_does_not_divide_the_shape_names_it():
     layer_dense(x, w, b, 0, impl='interpret', splits=3)
   with pytest.raises(ValueError, match='block_n 48 must divide N=64'):
     layer_dense(x, w, b, 0, impl='interpret', block_n=48)
+  with pytest.raises(ValueError, match='block_m 24 is not a multiple of 16'):
+    layer_dense(x, w, b, 0, impl='interpret', block_m=24)
 
 
 def test_bf16_kernel_rounds_before_the_bias_as_flax_dense_does():
