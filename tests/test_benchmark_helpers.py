@@ -1,10 +1,29 @@
-"""The benchmarks' helpers: command-line settings ('a=1,b=true', ';'-separated sets of XLA options) and
-the device's idle gaps in a trace."""
+"""The benchmarks' helpers: command-line settings ('a=1,b=true', ';'-separated sets of XLA options),
+the device's idle gaps in a trace, and what an optimised program's loop bodies run."""
 import pathlib
 import sys
 
 sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / 'benchmarks'))
 from timing import device_gaps, host_events_under, settings, xla_variants   # noqa: E402  pylint: disable=wrong-import-position
+from hlo_loops import loops   # noqa: E402  pylint: disable=wrong-import-position
+
+# A scanned block's body as XLA's GPU dump writes it (abridged): a layer's weights and a LayerNorm
+# scale sliced out of their stacks as asynchronous copies, a Triton GEMM, a split-K cuBLAS GEMM and
+# its reduction.
+_HLO = """
+%body.1 (arg.1: (s32[], bf16[64,1280], bf16[4,1280,1280])) -> (s32[], bf16[64,1280], bf16[4,1280,1280]) {
+  %fusion-start.1 = ((bf16[4,1280,1280]{2,1,0}, s32[]), bf16[1,1280,1280]{2,1,0}, u32[]) async-start(%a, %i), calls=%c.1
+  %fusion-start.2 = ((f32[4,1280]{1,0}, s32[]), f32[1,1280]{1,0}, u32[]) async-start(%b, %i), calls=%c.2
+  %gemm_fusion_dot.1 = bf16[64,1280]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm_fusion_dot.1_computation
+  %custom-call.2 = (f32[4,64,1280]{2,1,0}, s8[33554432]{0}) custom-call(%y, %v), custom_call_target="__cublas$lt$matmul"
+  %loop_reduce_fusion.3 = bf16[64,1280]{1,0} fusion(%custom-call.2), kind=kLoop, calls=%fused_reduce.3
+  ROOT %tuple.4 = (s32[], bf16[64,1280]{1,0}, bf16[4,1280,1280]{2,1,0}) tuple(%n, %h, %a)
+}
+
+ENTRY %main.9 (p.0: bf16[64,1280]) -> bf16[64,1280] {
+  %while.7 = (s32[], bf16[64,1280]{1,0}, bf16[4,1280,1280]{2,1,0}) while(%tuple.1), condition=%cond.1, body=%body.1
+}
+"""
 
 
 def test_settings_read_json_values_and_keep_list_values_whole():
@@ -35,3 +54,11 @@ def test_host_events_under_gaps_count_each_overlapped_gap_and_skip_long_spans():
           ('t', 'readback', 31.0, 1.0), ('t', 'call', 0.0, 44.0)]
   assert host_events_under(host, gaps, longest_us=22.0) == {'readback': 2, 'launch': 2}
   assert host_events_under(host, gaps, longest_us=50.0)['call'] == 3
+
+
+def test_hlo_loops_counts_a_scanned_bodys_copies_gemms_and_rows():
+  [(name, row)] = loops(_HLO, big=100_000, width=1280)
+  assert name == '%while.7'
+  assert row['copies, weight-sized'] == 1 and row['copies, small'] == 1
+  assert (row['Triton GEMMs'], row['cuBLAS'], row['reductions'], row['kernels']) == (1, 1, 1, 3)
+  assert row['rows'] == 64
