@@ -432,6 +432,8 @@ def test_diffloss_sample_guided_shares_noise(converted):
   key = jax.random.key(5)
   guided = sample(z, key, 1.0, jnp.float32(2.0), True)
   assert guided.shape == (6, 4) and np.isfinite(np.asarray(guided)).all()
-  # At temperature 0 and scale 1, the cond half is plain sampling of the cond rows from the same x_T.
+  # At temperature 0 and scale 1, the cond half is plain sampling of the cond rows from the same x_T
+  # (other noise would change every value; float32 GEMMs of 6 and 3 rows, summed in other orders,
+  # differ by ~2e-5 of values grown to 1e4 by the random net).
   np.testing.assert_allclose(sample(z, key, 0.0, jnp.float32(1.0), True)[:3],
-                             sample(z[:3], key, 0.0, jnp.float32(1.0), False), rtol=1e-5, atol=1e-5)
+                             sample(z[:3], key, 0.0, jnp.float32(1.0), False), rtol=1e-4, atol=1e-4)
