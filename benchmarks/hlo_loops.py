@@ -70,17 +70,18 @@ def loops(text: str, big: int, width: int) -> list[tuple[str, dict]]:
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('path', help="an optimised module's text (XLA's *after_optimizations.txt)")
+  p.add_argument('paths', nargs='+', help="optimised modules' text (XLA's *after_optimizations.txt)")
   p.add_argument('--big', type=int, default=100_000, help='elements above which a copy is weight-sized')
   p.add_argument('--width', type=int, default=1280, help="the model's width, whose activations give the rows")
   args = p.parse_args()
-  with open(args.path) as f:
-    found = loops(f.read(), args.big, args.width)
   columns = ['copies, weight-sized', 'copies, small'] + [c for c, _ in KINDS]
-  print('| while | ' + ' | '.join(columns) + ' | most rows |')
-  print('| --- ' * (len(columns) + 2) + '|')
-  for name, row in found:
-    print(f'| {name} | ' + ' | '.join(str(row.get(c, 0)) for c in columns) + f' | {row["rows"]} |')
+  for path in args.paths:
+    with open(path) as f:
+      found = loops(f.read(), args.big, args.width)
+    print(f'\n{path}\n\n| while | ' + ' | '.join(columns) + ' | most rows |')
+    print('| --- ' * (len(columns) + 2) + '|')
+    for name, row in found:
+      print(f'| {name} | ' + ' | '.join(str(row.get(c, 0)) for c in columns) + f' | {row["rows"]} |')
 
 
 if __name__ == '__main__':
