@@ -31,7 +31,8 @@
     `pk.top_k_indices` (a set, in index order) against lax.top_k (XLA sorts each row),
     exact set equality, bandwidth against the device copy.
 (g) A dense layer of weights stacked on a layer axis (a scanned block's) at Infinity-2B's four
-    shapes (or --layer_dense_shapes), 2-128 rows, 32 layers in a loop: `pk.layer_dense` against
+    shapes (or --layer_dense_shapes), 2-128 rows and 32 layers in a loop (or --layer_dense_rows,
+    --layer_dense_depth): `pk.layer_dense` against
     XLA's GEMM of the copied slice and of separate weights, against the floor (the weights read
     once, or the FLOPs at the peak where those take longer).
 
@@ -567,7 +568,7 @@ def layer_dense_tilings(configs: str, k: int, n: int):
   for cfg in filter(None, configs.split(',')):
     bm, bn, bk, splits, warps, stages = (int(g or 0) for g in re.fullmatch(
         r'(?:m(\d+):)?(\d+)x(\d+)s(\d+)w(\d+)p(\d+)', cfg).groups())
-    if not tiling_error(k, n, bn, bk, splits):
+    if not tiling_error(k, n, bn, bk, splits, bm):
       yield f'pallas {cfg}', dict(block_m=bm, block_n=bn, block_k=bk, splits=splits, num_warps=warps, num_stages=stages)
 
 

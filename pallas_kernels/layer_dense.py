@@ -126,9 +126,11 @@ def unsupported(x, w) -> str:
   return ''
 
 
-def tiling_error(k: int, n: int, block_n: int, block_k: int, splits: int) -> str:
-  """Why a tiling does not fit K and N ('' when it does): block_n must divide N, block_k K, and
-  splits the K // block_k blocks."""
+def tiling_error(k: int, n: int, block_n: int, block_k: int, splits: int, block_m: int = 16) -> str:
+  """Why a tiling does not fit K and N ('' when it does): block_m must be a multiple of 16, block_n
+  divide N, block_k K, and splits the K // block_k blocks."""
+  if block_m % 16:
+    return f'block_m {block_m} is not a multiple of 16'
   if n % block_n or k % block_k or (k // block_k) % splits:
     return f'block_n {block_n} must divide N={n}, block_k {block_k} K={k}, splits {splits} the {k // block_k} K blocks'
   return ''
@@ -159,13 +161,11 @@ def layer_dense(x: jax.Array, w: jax.Array, b: Optional[jax.Array], layer, *, im
     raise ValueError(f'layer_dense kernel: {why}')
   rows, n = x2.shape[0], w.shape[2]
   block_m = block_m or (16 if rows <= 16 else 64)
-  if block_m % 16:
-    raise ValueError(f'layer_dense tiling: block_m {block_m} is not a multiple of 16')
   m = -(-rows // block_m) * block_m
   block_n = block_n or _block(n, BLOCK_N_CHOICES)
   k_steps = x2.shape[1] // block_k
   splits = splits or _splits(m // block_m * n // block_n, k_steps)
-  if why := tiling_error(x2.shape[1], n, block_n, block_k, splits):
+  if why := tiling_error(x2.shape[1], n, block_n, block_k, splits, block_m):
     raise ValueError(f'layer_dense tiling: {why}')
   out = _call(jnp.pad(x2, ((0, m - rows), (0, 0))), w, b, layer, impl == 'interpret', block_m, block_n, block_k,
               splits, num_warps, num_stages)
