@@ -7,7 +7,8 @@ rows moves the layer's weights three times instead of once; only cuBLAS, under X
 fusion, reads it in place, and only for a GEMM without its bias in the epilogue (`reference`).
 The Pallas kernel (Triton lowering) reads w[layer] straight from the stacked array: one program
 per (row block, column block, part of K) walks its part of K a tile at a time into a float32
-partial product; K is split where the column blocks alone are too few programs to keep every SM
+partial product (the last row block masks the rows past M: x is read as it is, not padded, which
+would cost a copy of x per call); K is split where the column blocks alone are too few programs to keep every SM
 streaming. The parts are summed and rounded to
 x's dtype, then the bias is added (as flax's Dense adds it); with K in one part (splits=1) the
 kernel rounds and adds the bias itself: one launch, no float32 partials.
@@ -58,30 +59,35 @@ def reference(x, w, b, layer):
   return _plus_bias(lax.optimization_barrier(y), b, layer)
 
 
-def _kernel(layer_ref, x_ref, w_ref, *refs, block_n: int, block_k: int, steps: int, whole: bool):
+def _kernel(layer_ref, x_ref, w_ref, *refs, rows: int, block_n: int, block_k: int, steps: int, whole: bool):
   """One (row block, column block, part of K): its float32 partial product; `whole` (K in one
-  part): the output itself, rounded to its dtype and the bias added (refs = ([b_ref,] o_ref))."""
+  part): the output itself, rounded to its dtype and the bias added (refs = ([b_ref,] o_ref)).
+  Rows past `rows` (the last row block's overhang) are neither read nor written."""
   layer, col0, k0 = layer_ref[0], pl.program_id(1) * block_n, pl.program_id(2) * steps * block_k
+  block_m = x_ref.shape[0]
+  live = (pl.program_id(0) * block_m + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < rows
 
   def step(t, acc):
-    x = x_ref[:, pl.ds(k0 + t * block_k, block_k)]
+    x = plgpu.load(x_ref.at[:, pl.ds(k0 + t * block_k, block_k)], mask=jnp.broadcast_to(live, (block_m, block_k)),
+                   other=0)
     w = plgpu.load(w_ref.at[layer, pl.ds(k0 + t * block_k, block_k), pl.ds(col0, block_n)])
     return acc + lax.dot_general(x, w.astype(x.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
-  acc, o_ref = lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[0], block_n), jnp.float32)), refs[-1]
+  acc, o_ref = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32)), refs[-1]
+  out_mask = jnp.broadcast_to(live, (block_m, block_n))
   if not whole:
-    o_ref[...] = acc
+    plgpu.store(o_ref, acc, mask=out_mask)
     return
   y = acc.astype(o_ref.dtype)
   if len(refs) == 2:
     y = y + plgpu.load(refs[0].at[layer, pl.ds(col0, block_n)]).astype(y.dtype)[None, :]
-  o_ref[...] = y
+  plgpu.store(o_ref, y, mask=out_mask)
 
 
 def _call(x, w, b, layer, interpret: bool, block_m: int, block_n: int, block_k: int, splits: int,
           num_warps: int, num_stages: int):
-  """K in `splits` equal parts: [splits, M, N] float32, their products (b unused); one part:
-  x @ w[layer] + b[layer] [M, N] in x's dtype, in one launch."""
+  """x [M, K]; K in `splits` equal parts: [splits, M, N] float32, their products (b unused); one
+  part: x @ w[layer] + b[layer] [M, N] in x's dtype, in one launch. M need not divide by block_m."""
   (m, k), n, whole = x.shape, w.shape[2], splits == 1
   operands = [jnp.reshape(layer, (1,)).astype(jnp.int32), x, w] + ([b] if whole and b is not None else [])
   in_specs = [pl.BlockSpec((1,), lambda i, j, s: (0,)), pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0)),
@@ -93,8 +99,8 @@ def _call(x, w, b, layer, interpret: bool, block_m: int, block_n: int, block_k: 
     out_spec = pl.BlockSpec((pl.squeezed, block_m, block_n), lambda i, j, s: (s, i, j))
     out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
   return pl.pallas_call(
-      functools.partial(_kernel, block_n=block_n, block_k=block_k, steps=k // block_k // splits, whole=whole),
-      grid=(m // block_m, n // block_n, splits),
+      functools.partial(_kernel, rows=m, block_n=block_n, block_k=block_k, steps=k // block_k // splits, whole=whole),
+      grid=(pl.cdiv(m, block_m), n // block_n, splits),
       in_specs=in_specs,
       out_specs=out_spec,
       out_shape=out_shape,
@@ -161,14 +167,12 @@ def layer_dense(x: jax.Array, w: jax.Array, b: Optional[jax.Array], layer, *, im
     raise ValueError(f'layer_dense kernel: {why}')
   rows, n = x2.shape[0], w.shape[2]
   block_m = block_m or (16 if rows <= 16 else 64)
-  m = -(-rows // block_m) * block_m
   block_n = block_n or _block(n, BLOCK_N_CHOICES)
   k_steps = x2.shape[1] // block_k
-  splits = splits or _splits(m // block_m * n // block_n, k_steps)
+  splits = splits or _splits(pl.cdiv(rows, block_m) * n // block_n, k_steps)
   if why := tiling_error(x2.shape[1], n, block_n, block_k, splits, block_m):
     raise ValueError(f'layer_dense tiling: {why}')
-  out = _call(jnp.pad(x2, ((0, m - rows), (0, 0))), w, b, layer, impl == 'interpret', block_m, block_n, block_k,
-              splits, num_warps, num_stages)
+  out = _call(x2, w, b, layer, impl == 'interpret', block_m, block_n, block_k, splits, num_warps, num_stages)
   if splits > 1:
     out = _plus_bias(out.sum(0).astype(x.dtype), b, layer)
-  return out[:rows].reshape(*x.shape[:-1], n)
+  return out.reshape(*x.shape[:-1], n)

@@ -113,10 +113,11 @@ def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, 
   ignores, e.g. drop-path rates).
 
   Runs one `lax.scan`; `call` is traced once, on a copy of blocks[0] bound to each layer's
-  parameters (`stacked`, or `stack_of(blocks)`: all of `blocks`, whichever `layers` run). Sampling (`train` False) indexes the stack
-  at i and hands the dense layers their stacked weights (`_dense_in_place`); `train` scans the
-  run's slice of the stack as an input instead, so that the parameters' gradients come out as
-  the scan's stacked outputs rather than a stack-sized sum carried through every layer."""
+  parameters (`stacked`, or `stack_of(blocks)`: all of `blocks`, whichever `layers` run). Sampling
+  (`train` False) indexes the stack at i and hands the dense layers and affine LayerNorms their
+  stacked parameters (`_in_place`); `train` scans the run's slice of the stack as an input instead,
+  so that the parameters' gradients come out as the scan's stacked outputs rather than a stack-sized
+  sum carried through every layer."""
   kinds = {type(b) for b in blocks}
   if len(kinds) != 1:
     raise ValueError(f'scan_blocks: the blocks must be of one class, got {sorted(k.__name__ for k in kinds)}')
@@ -129,7 +130,7 @@ def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, 
   def sampling_step(ic, x):
     i, c = ic
     params = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), stacked)
-    with nn.intercept_methods(_dense_in_place(stacked, i)):
+    with nn.intercept_methods(_in_place(stacked, i)):
       c, y = call(body.bind({'params': params}), i, c, x)
     return (i + 1, c), y
 
@@ -172,24 +173,47 @@ def through_runs(blocks: Sequence[nn.Module], runs: Sequence[Sequence[int]], hoo
 _DENSE = {nn.Dense: lambda y: y, DenseGELU: lambda y: jax.nn.gelu(y, approximate=True)}
 
 
-def _dense_in_place(stacked: Any, layer: jax.Array):
-  """A flax method interceptor: each dense layer of the scanned block (`_DENSE`) computes with its
-  stacked weights at `layer` through `pallas_kernels.layer_dense` (the kernel reads them in place
-  at few rows on a GPU; XLA's GEMM, kept apart from its bias, elsewhere), instead of the slice XLA
-  copies out of the stack for every layer; other methods run as they are. A DenseGELU of as many
-  rows as `pallas_kernels.dense_gelu` fuses (bound by its FLOPs, not its weights) takes the
-  layer's slice to that kernel, as an unrolled block does."""
+def _params_at(stacked: Any, module: nn.Module) -> Any:
+  """The stacked parameters of `module` (a submodule of the scanned block) in `stacked`."""
+  for name in module.path:
+    stacked = stacked[name]
+  return stacked
+
+
+def _affine_norm(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+  """Whether a call of `module` is an affine LayerNorm over the last axis that `pallas_kernels.layer_norm`
+  computes: two-pass variance, float32 statistics, no mask, nothing averaged across devices."""
+  return (type(module) is nn.LayerNorm and module.use_scale and module.use_bias and not module.use_fast_variance
+          and module.force_float32_reductions and module.reduction_axes == -1 and module.feature_axes == -1
+          and module.axis_name is None and len(args) == 1 and kwargs.get('mask') is None)
+
+
+def _dense(module: nn.Module, weights: Any, layer: jax.Array, x: jax.Array) -> jax.Array:
+  """A dense layer of the scanned block (`_DENSE`) with its stacked weights at `layer`."""
+  dtype = module.dtype or jnp.result_type(x, weights['kernel'])
+  if type(module) is DenseGELU and pk.dense_gelu_pays(x.size // x.shape[-1]):
+    at = lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False).astype(dtype)
+    return pk.dense_gelu(x.astype(dtype), at(weights['kernel']), at(weights['bias']))
+  y = pk.layer_dense(x.astype(dtype), weights['kernel'], weights.get('bias'), layer)
+  return _DENSE[type(module)](y)
+
+
+def _in_place(stacked: Any, layer: jax.Array):
+  """A flax method interceptor: the scanned block's layers whose parameters XLA would copy out of the
+  stack for every layer read them in place at `layer` instead; other methods run as they are. Each
+  dense layer (`_DENSE`) goes through `pallas_kernels.layer_dense` (the kernel at few rows on a GPU;
+  XLA's GEMM, kept apart from its bias, elsewhere); a DenseGELU of as many rows as
+  `pallas_kernels.dense_gelu` fuses (bound by its FLOPs, not its weights) takes the layer's slice to
+  that kernel, as an unrolled block does. Each affine LayerNorm (`_affine_norm`) goes through
+  `pallas_kernels.layer_norm`: XLA's LayerNorm fusions on a GPU cannot take the slice in place."""
   def intercept(next_fun, args, kwargs, context):
     module = context.module
-    if type(module) not in _DENSE or context.method_name != '__call__':
+    if context.method_name != '__call__':
       return next_fun(*args, **kwargs)
-    x, weights = args[0], stacked
-    for name in module.path:
-      weights = weights[name]
-    dtype = module.dtype or jnp.result_type(x, weights['kernel'])
-    if type(module) is DenseGELU and pk.dense_gelu_pays(x.size // x.shape[-1]):
-      at = lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False).astype(dtype)
-      return pk.dense_gelu(x.astype(dtype), at(weights['kernel']), at(weights['bias']))
-    y = pk.layer_dense(x.astype(dtype), weights['kernel'], weights.get('bias'), layer)
-    return _DENSE[type(module)](y)
+    if type(module) in _DENSE:
+      return _dense(module, _params_at(stacked, module), layer, args[0])
+    if _affine_norm(module, args, kwargs):
+      params = _params_at(stacked, module)
+      return pk.layer_norm(args[0], params['scale'], params['bias'], layer, eps=module.epsilon, dtype=module.dtype)
+    return next_fun(*args, **kwargs)
   return intercept

@@ -1,0 +1,128 @@
+"""One layer's affine LayerNorm out of parameters stacked on a layer axis, read in place.
+
+`layer_norm(x, scale, shift, layer, eps=eps)` is flax's `nn.LayerNorm(epsilon=eps,
+use_fast_variance=False)` of x [..., C] with the parameters scale[layer] and shift[layer] (scale,
+shift [L, C]; `layer` an int32 scalar, traced inside a scan over the layers): two-pass statistics
+in float32, (x - mean) * (rsqrt(var + eps) * scale) + shift, rounded to the output dtype. On the
+GPU XLA's Triton LayerNorm fusions cannot take a dynamic slice of the stack as an operand, so XLA
+copies each LayerNorm's scale and bias out of the stack, one device copy each per layer (4 per ViT
+block and layer iteration, thousands per MAR sampling call). The Pallas kernel (Triton lowering)
+reads scale[layer] and shift[layer] straight from the stacks: one program per block of BLOCK_M rows
+of x [M, C] walks C a power-of-two chunk at a time three times (the row sums, then the squared
+deviations from the mean, then the normalised, scaled and shifted output), accumulating in float32;
+the last row block's overhang is masked.
+
+'auto' runs the kernel on an NVIDIA GPU, the plain-jnp reference elsewhere and for the shapes
+`unsupported` names.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import dispatch
+
+BLOCK_M = 16   # rows per program
+CHUNK_CHOICES = (256, 128, 64, 32, 16)   # the width C is walked in: the largest dividing C
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _chunk(c: int) -> Optional[int]:
+  return next((w for w in CHUNK_CHOICES if c % w == 0), None)
+
+
+def _out_dtype(x, scale, shift, dtype):
+  """flax's: `dtype`, else the promotion of x and the parameters."""
+  return jnp.result_type(x, scale, shift) if dtype is None else dtype
+
+
+def reference(x, scale, shift, layer, eps: float, dtype=None):
+  """flax's `nn.LayerNorm(epsilon=eps, use_fast_variance=False, dtype=dtype)` of x [..., C] with
+  scale[layer], shift[layer] (scale, shift [L, C]), its formula and casts as flax's `_compute_stats`
+  and `_normalize` have them."""
+  at = lambda a: lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+  xs = x.astype(jnp.promote_types(x.dtype if dtype is None else dtype, jnp.float32))
+  mean = xs.mean(-1, keepdims=True)
+  var = lax.square(xs - mean).mean(-1, keepdims=True)
+  y = (x - mean) * (lax.rsqrt(var + eps) * at(scale)) + at(shift)
+  return y.astype(_out_dtype(x, scale, shift, dtype))
+
+
+def _kernel(layer_ref, x_ref, scale_ref, shift_ref, o_ref, *, rows: int, chunk: int, eps: float):
+  """One block of rows: its statistics over C, then its output, C a `chunk` of columns at a time.
+  Rows past `rows` (the last block's overhang) are neither read nor written."""
+  layer, (block_m, c) = layer_ref[0], x_ref.shape
+  live = (pl.program_id(0) * block_m + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < rows
+  mask, steps = jnp.broadcast_to(live, (block_m, chunk)), c // chunk
+
+  def load(t):
+    return plgpu.load(x_ref.at[:, pl.ds(t * chunk, chunk)], mask=mask, other=0).astype(jnp.float32)
+
+  def row_sum(f):
+    return lax.fori_loop(0, steps, lambda t, s: s + f(load(t)).sum(1, keepdims=True),
+                         jnp.zeros((block_m, 1), jnp.float32))
+
+  mean = row_sum(lambda x: x) / c
+  inv = lax.rsqrt(row_sum(lambda x: jnp.square(x - mean)) / c + eps)
+
+  def normalise(t, carry):
+    cols = pl.ds(t * chunk, chunk)
+    mul = inv * plgpu.load(scale_ref.at[layer, cols]).astype(jnp.float32)[None, :]
+    y = (load(t) - mean) * mul + plgpu.load(shift_ref.at[layer, cols]).astype(jnp.float32)[None, :]
+    plgpu.store(o_ref.at[:, cols], y.astype(o_ref.dtype), mask=mask)
+    return carry
+  lax.fori_loop(0, steps, normalise, 0)
+
+
+def _call(x, scale, shift, layer, eps: float, dtype, interpret: bool):
+  """x [M, C] -> [M, C] in `dtype`; M need not divide by BLOCK_M."""
+  m, c = x.shape
+  row_block = pl.BlockSpec((BLOCK_M, c), lambda i: (i, 0))
+  whole = pl.BlockSpec(scale.shape, lambda i: (0, 0))
+  return pl.pallas_call(
+      functools.partial(_kernel, rows=m, chunk=_chunk(c), eps=eps),
+      grid=(pl.cdiv(m, BLOCK_M),),
+      in_specs=[pl.BlockSpec((1,), lambda i: (0,)), row_block, whole, whole],
+      out_specs=row_block,
+      out_shape=jax.ShapeDtypeStruct((m, c), dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=4),
+      interpret=interpret,
+      name='layer_norm',
+  )(jnp.reshape(layer, (1,)).astype(jnp.int32), x, scale, shift)
+
+
+def unsupported(x, scale) -> str:
+  """Why the kernel does not take these shapes and dtypes ('' when it does)."""
+  if x.dtype not in DTYPES or scale.dtype not in DTYPES:
+    return f'dtypes x {x.dtype}, scale {scale.dtype}'
+  if _chunk(x.shape[-1]) is None:
+    return f'C={x.shape[-1]} is not a multiple of {CHUNK_CHOICES[-1]}'
+  return ''
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, shift: jax.Array, layer, *, eps: float, dtype=None,
+               impl: str = 'auto') -> jax.Array:
+  """flax's `nn.LayerNorm(epsilon=eps, use_fast_variance=False, dtype=dtype)` of x [..., C] with the
+  parameters scale[layer] and shift[layer] (scale, shift [L, C]; `layer` an int scalar, traced or
+  not) -> [..., C] in `dtype` (None: flax's, x's promoted with the parameters'). `impl`: as
+  `dispatch.resolve` ('mosaic' is not built); 'auto' keeps the shapes `unsupported` names on the
+  reference."""
+  if scale.ndim != 2 or shift.shape != scale.shape or x.shape[-1] != scale.shape[1]:
+    raise ValueError(f'layer_norm expects x [..., C], scale and shift [L, C]; got {x.shape}, {scale.shape}, '
+                     f'{shift.shape}')
+  if impl == 'auto' and unsupported(x, scale):
+    impl = 'reference'
+  impl = dispatch.resolve(impl, 'layer_norm has no Mosaic GPU kernel')
+  if impl == 'reference':
+    return reference(x, scale, shift, layer, eps, dtype)
+  if why := unsupported(x, scale):
+    raise ValueError(f'layer_norm kernel: {why}')
+  out = _call(x.reshape(-1, x.shape[-1]), scale, shift, layer, eps, _out_dtype(x, scale, shift, dtype),
+              impl == 'interpret')
+  return out.reshape(x.shape)
