@@ -19,7 +19,9 @@ the MAR samplers with their encoder's and decoder's, the E-CAR samplers with the
 denoisers' (config.sample.scan_blocks), as rows 'spec@scan'. --xla 'a=1;b=true': every sampler
 compiled again under each set of XLA options, as rows 'spec xla1', 'spec xla2', ... (the first
 set, '' by default, is XLA's defaults; a list value stays whole:
-';xla_gpu_enable_command_buffer=FUSION,CUBLAS').
+';xla_gpu_enable_command_buffer=FUSION,CUBLAS'). --layer_dense_max_rows N: scanned blocks' dense
+layers run `pallas_kernels.layer_dense`'s kernel up to N rows in this process (its AUTO_MAX_ROWS
+otherwise); compare two such runs by their scanned / unrolled ratios.
 Every sampler is lowered in turn and compiled in a pool of --compile_workers threads (compile
 seconds are each program's own wall time, under that contention), then, after --wait_for
 exists (so the compiles can overlap other GPU work), each is timed alone: medians of --iters
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import importlib
 import itertools
 import json
 import os
@@ -62,6 +65,9 @@ from var_models.var.model import VARConfig
 from var_models.var.policy import var_binding
 from var_models.var.sampler import make_sampler
 from var_models.var.schedules import INFINITY_1024, VAR_256
+
+# The module (its name in the package is the function's).
+layer_dense_module = importlib.import_module('pallas_kernels.layer_dense')
 
 LAZYVAR_INFINITY = ('infinity_2b', 'no_pgd', 'no_cum', 'group5', 'keep40_20', 'keep0_0')
 SPARVAR_INFINITY = ('infinity_2b', 'infinity_2b_table4', 'cs4a_only', 'cs4a_no_cache', 'csla_only')
@@ -385,8 +391,14 @@ def main():
   ap.add_argument('--family_overrides', default='', help="sampling settings of every MAR and E-CAR sampler "
                   "('key=value,...', e.g. 'encoder_sizes=0'); ';'-separated sets compile and time each set's rows")
   ap.add_argument('--family_dtype', default='bfloat16', help='compute dtype of the MAR and E-CAR models')
+  ap.add_argument('--layer_dense_max_rows', type=int, default=0,
+                  help="rows up to which a scanned block's dense layers run pallas_kernels.layer_dense's kernel "
+                  f'(0: its AUTO_MAX_ROWS, {layer_dense_module.AUTO_MAX_ROWS}; above, XLA\'s GEMM of a copy)')
   args = compilation_cache.parse_args(ap)
-  print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
+  if args.layer_dense_max_rows:
+    layer_dense_module.AUTO_MAX_ROWS = args.layer_dense_max_rows
+  print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}; layer_dense kernel up to '
+        f'{layer_dense_module.AUTO_MAX_ROWS} rows', flush=True)
   if args.flops and args.ecar_sizes:
     ap.error('--flops counts VAR and MAR models, not E-CAR')
   if args.flops and args.mar_sizes:
