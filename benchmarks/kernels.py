@@ -678,7 +678,8 @@ def main():
                  help="extra tilings for (g), e.g. '128x64s4w4p3' (block_n x block_k, K splits, warps, stages)")
   p.add_argument('--layer_dense_rows', default='2,16,64,128', help='row counts of (g)')
   p.add_argument('--layer_dense_shapes', default='2048x6144,2048x2048,2048x8192,8192x2048',
-                 help="KxN weight shapes of (g) (default Infinity-2B's; MAR-H's: 1280x3840,1280x1280,1280x5120,5120x1280)")
+                 help="KxN weight shapes of (g) (default Infinity-2B's; "
+                 "MAR-H's: 1280x3840,1280x1280,1280x5120,5120x1280)")
   p.add_argument('--layer_dense_depth', type=int, default=32, help='layers of (g)')
   p.add_argument('--layer_norm_rows', default='71,128,320,640', help='row counts of (h)')
   p.add_argument('--layer_norm_width', type=int, default=1280, help='width of (h) (MAR-H: 1280)')

@@ -8,10 +8,10 @@ fusion, reads it in place, and only for a GEMM without its bias in the epilogue 
 The Pallas kernel (Triton lowering) reads w[layer] straight from the stacked array: one program
 per (row block, column block, part of K) walks its part of K a tile at a time into a float32
 partial product (the last row block masks the rows past M: x is read as it is, not padded, which
-would cost a copy of x per call); K is split where the column blocks alone are too few programs to keep every SM
-streaming. The parts are summed and rounded to
-x's dtype, then the bias is added (as flax's Dense adds it); with K in one part (splits=1) the
-kernel rounds and adds the bias itself: one launch, no float32 partials.
+would cost a copy of x per call); K is split where the column blocks alone are too few programs to
+keep every SM streaming. The parts are summed and rounded to x's dtype, then the bias is added (as
+flax's Dense adds it); with K in one part (splits=1) the kernel rounds and adds the bias itself:
+one launch, no float32 partials.
 
 'auto' runs the kernel on an NVIDIA GPU for at most AUTO_MAX_ROWS rows, where the GEMM reads its
 weights and little else; XLA's GEMM elsewhere (the reference), of the slice in place where XLA's
@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import dispatch
+from pallas_kernels.sparse_attention import _row_mask
 
 # Rows up to which 'auto' streams the weights with the kernel: about half the rows at which an
 # H100's bf16 GEMM stops being bound by its weight reads (M rows do M flops per weight byte; ~800
@@ -65,23 +66,21 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, rows: int, block_n: int, block_k: in
   Rows past `rows` (the last row block's overhang) are neither read nor written."""
   layer, col0, k0 = layer_ref[0], pl.program_id(1) * block_n, pl.program_id(2) * steps * block_k
   block_m = x_ref.shape[0]
-  live = (pl.program_id(0) * block_m + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < rows
+  live = _row_mask(pl.program_id(0) * block_m, block_m, rows, 2)   # [block_m, 1]
 
   def step(t, acc):
-    x = plgpu.load(x_ref.at[:, pl.ds(k0 + t * block_k, block_k)], mask=jnp.broadcast_to(live, (block_m, block_k)),
-                   other=0)
+    x = plgpu.load(x_ref.at[:, pl.ds(k0 + t * block_k, block_k)], mask=live, other=0)
     w = plgpu.load(w_ref.at[layer, pl.ds(k0 + t * block_k, block_k), pl.ds(col0, block_n)])
     return acc + lax.dot_general(x, w.astype(x.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
   acc, o_ref = lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32)), refs[-1]
-  out_mask = jnp.broadcast_to(live, (block_m, block_n))
   if not whole:
-    plgpu.store(o_ref, acc, mask=out_mask)
+    plgpu.store(o_ref, acc, mask=live)
     return
   y = acc.astype(o_ref.dtype)
   if len(refs) == 2:
     y = y + plgpu.load(refs[0].at[layer, pl.ds(col0, block_n)]).astype(y.dtype)[None, :]
-  plgpu.store(o_ref, y, mask=out_mask)
+  plgpu.store(o_ref, y, mask=live)
 
 
 def _call(x, w, b, layer, interpret: bool, block_m: int, block_n: int, block_k: int, splits: int,

@@ -18,7 +18,6 @@ the last row block's overhang is masked.
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -27,14 +26,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import dispatch
+from pallas_kernels.layer_dense import _block
+from pallas_kernels.sparse_attention import DTYPES, _row_mask
 
 BLOCK_M = 16   # rows per program
 CHUNK_CHOICES = (256, 128, 64, 32, 16)   # the width C is walked in: the largest dividing C
-DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
-def _chunk(c: int) -> Optional[int]:
-  return next((w for w in CHUNK_CHOICES if c % w == 0), None)
 
 
 def _out_dtype(x, scale, shift, dtype):
@@ -58,8 +54,7 @@ def _kernel(layer_ref, x_ref, scale_ref, shift_ref, o_ref, *, rows: int, chunk: 
   """One block of rows: its statistics over C, then its output, C a `chunk` of columns at a time.
   Rows past `rows` (the last block's overhang) are neither read nor written."""
   layer, (block_m, c) = layer_ref[0], x_ref.shape
-  live = (pl.program_id(0) * block_m + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < rows
-  mask, steps = jnp.broadcast_to(live, (block_m, chunk)), c // chunk
+  mask, steps = _row_mask(pl.program_id(0) * block_m, block_m, rows, 2), c // chunk   # mask [block_m, 1]
 
   def load(t):
     return plgpu.load(x_ref.at[:, pl.ds(t * chunk, chunk)], mask=mask, other=0).astype(jnp.float32)
@@ -86,7 +81,7 @@ def _call(x, scale, shift, layer, eps: float, dtype, interpret: bool):
   row_block = pl.BlockSpec((BLOCK_M, c), lambda i: (i, 0))
   whole = pl.BlockSpec(scale.shape, lambda i: (0, 0))
   return pl.pallas_call(
-      functools.partial(_kernel, rows=m, chunk=_chunk(c), eps=eps),
+      functools.partial(_kernel, rows=m, chunk=_block(c, CHUNK_CHOICES), eps=eps),
       grid=(pl.cdiv(m, BLOCK_M),),
       in_specs=[pl.BlockSpec((1,), lambda i: (0,)), row_block, whole, whole],
       out_specs=row_block,
@@ -101,7 +96,7 @@ def unsupported(x, scale) -> str:
   """Why the kernel does not take these shapes and dtypes ('' when it does)."""
   if x.dtype not in DTYPES or scale.dtype not in DTYPES:
     return f'dtypes x {x.dtype}, scale {scale.dtype}'
-  if _chunk(x.shape[-1]) is None:
+  if _block(x.shape[-1], CHUNK_CHOICES) is None:
     return f'C={x.shape[-1]} is not a multiple of {CHUNK_CHOICES[-1]}'
   return ''
 
