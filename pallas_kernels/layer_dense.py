@@ -31,11 +31,11 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import dispatch
 from pallas_kernels.sparse_attention import _row_mask
 
-# Rows up to which 'auto' streams the weights with the kernel: about half the rows at which an
-# H100's bf16 GEMM stops being bound by its weight reads (M rows do M flops per weight byte; ~800
-# TFLOP/s over ~3 TB/s is ~270 rows), halved for the kernel's lower compute rate. A prediction,
-# to be measured (NOTES.md).
-AUTO_MAX_ROWS = 128
+# Rows up to which 'auto' runs the kernel: at MAR-H's shapes it beats XLA's GEMM of a copy of the
+# layer's slice at 320 and 640 rows in 7 of 8 cases (NOTES.md), and it takes no autotuning (LazyMAR's
+# scanned MAR-H program compiles in 26 s alone against 35 s with XLA's GEMMs above 128 rows).
+# Above, the GEMM is bound by its FLOPs and XLA's copy of the slice costs little beside it.
+AUTO_MAX_ROWS = 640
 BLOCK_K = 64
 # Programs a call aims at (K split where the column blocks are fewer): about two per SM of an
 # H100 (132), so that every SM streams weights.

@@ -7,10 +7,12 @@ in float32, (x - mean) * (rsqrt(var + eps) * scale) + shift, rounded to the outp
 GPU XLA's Triton LayerNorm fusions cannot take a dynamic slice of the stack as an operand, so XLA
 copies each LayerNorm's scale and bias out of the stack, one device copy each per layer (4 per ViT
 block and layer iteration, thousands per MAR sampling call). The Pallas kernel (Triton lowering)
-reads scale[layer] and shift[layer] straight from the stacks: one program per block of BLOCK_M rows
-of x [M, C] walks C a power-of-two chunk at a time three times (the row sums, then the squared
-deviations from the mean, then the normalised, scaled and shifted output), accumulating in float32;
-the last row block's overhang is masked.
+reads scale[layer] and shift[layer] straight from the stacks: one program per block of a few rows
+of x [M, C] reads its rows once, as C / chunk power-of-two chunks held in registers (Triton's blocks
+are powers of two; MAR-H's C = 1280 is five of 256), takes the row sums, then the squared
+deviations from the mean, in float32, and writes the normalised, scaled and shifted rows; the last
+row block's overhang is masked. The rows per program shrink as C grows (ROW_ELEMENTS a program),
+so that small M still spreads over many SMs and the chunks fit in registers.
 
 'auto' runs the kernel on an NVIDIA GPU, the plain-jnp reference elsewhere and for the shapes
 `unsupported` names.
@@ -29,8 +31,9 @@ from pallas_kernels import dispatch
 from pallas_kernels.layer_dense import _block
 from pallas_kernels.sparse_attention import DTYPES, _row_mask
 
-BLOCK_M = 16   # rows per program
-CHUNK_CHOICES = (256, 128, 64, 32, 16)   # the width C is walked in: the largest dividing C
+ROW_ELEMENTS = 4096   # elements of x a program holds: rows per program = the power of two <= this / C
+MAX_C = 4 * ROW_ELEMENTS
+CHUNK_CHOICES = (1024, 512, 256, 128, 64, 32, 16)   # the chunks C is held in: the largest dividing C
 
 
 def _out_dtype(x, scale, shift, dtype):
@@ -51,38 +54,34 @@ def reference(x, scale, shift, layer, eps: float, dtype=None):
 
 
 def _kernel(layer_ref, x_ref, scale_ref, shift_ref, o_ref, *, rows: int, chunk: int, eps: float):
-  """One block of rows: its statistics over C, then its output, C a `chunk` of columns at a time.
-  Rows past `rows` (the last block's overhang) are neither read nor written."""
+  """One block of rows [block_m, C], read once: its statistics over C, then its output. Rows past
+  `rows` (the last block's overhang) are neither read nor written."""
   layer, (block_m, c) = layer_ref[0], x_ref.shape
-  mask, steps = _row_mask(pl.program_id(0) * block_m, block_m, rows, 2), c // chunk   # mask [block_m, 1]
+  mask = _row_mask(pl.program_id(0) * block_m, block_m, rows, 2)   # [block_m, 1]
+  cols = [pl.ds(t * chunk, chunk) for t in range(c // chunk)]
+  xs = [plgpu.load(x_ref.at[:, at], mask=mask, other=0).astype(jnp.float32) for at in cols]
+  mean = sum(x.sum(1, keepdims=True) for x in xs) / c
+  xs = [x - mean for x in xs]
+  inv = lax.rsqrt(sum(jnp.square(x).sum(1, keepdims=True) for x in xs) / c + eps)
+  for at, x in zip(cols, xs):
+    mul = inv * plgpu.load(scale_ref.at[layer, at]).astype(jnp.float32)[None, :]
+    y = x * mul + plgpu.load(shift_ref.at[layer, at]).astype(jnp.float32)[None, :]
+    plgpu.store(o_ref.at[:, at], y.astype(o_ref.dtype), mask=mask)
 
-  def load(t):
-    return plgpu.load(x_ref.at[:, pl.ds(t * chunk, chunk)], mask=mask, other=0).astype(jnp.float32)
 
-  def row_sum(f):
-    return lax.fori_loop(0, steps, lambda t, s: s + f(load(t)).sum(1, keepdims=True),
-                         jnp.zeros((block_m, 1), jnp.float32))
-
-  mean = row_sum(lambda x: x) / c
-  inv = lax.rsqrt(row_sum(lambda x: jnp.square(x - mean)) / c + eps)
-
-  def normalise(t, carry):
-    cols = pl.ds(t * chunk, chunk)
-    mul = inv * plgpu.load(scale_ref.at[layer, cols]).astype(jnp.float32)[None, :]
-    y = (load(t) - mean) * mul + plgpu.load(shift_ref.at[layer, cols]).astype(jnp.float32)[None, :]
-    plgpu.store(o_ref.at[:, cols], y.astype(o_ref.dtype), mask=mask)
-    return carry
-  lax.fori_loop(0, steps, normalise, 0)
+def _rows_per_program(c: int) -> int:
+  """The power of two <= ROW_ELEMENTS / C (at least 1)."""
+  return 1 << max(0, (ROW_ELEMENTS // c).bit_length() - 1)
 
 
 def _call(x, scale, shift, layer, eps: float, dtype, interpret: bool):
-  """x [M, C] -> [M, C] in `dtype`; M need not divide by BLOCK_M."""
-  m, c = x.shape
-  row_block = pl.BlockSpec((BLOCK_M, c), lambda i: (i, 0))
+  """x [M, C] -> [M, C] in `dtype`; M need not divide by the rows per program."""
+  (m, c), block_m = x.shape, _rows_per_program(x.shape[1])
+  row_block = pl.BlockSpec((block_m, c), lambda i: (i, 0))
   whole = pl.BlockSpec(scale.shape, lambda i: (0, 0))
   return pl.pallas_call(
       functools.partial(_kernel, rows=m, chunk=_block(c, CHUNK_CHOICES), eps=eps),
-      grid=(pl.cdiv(m, BLOCK_M),),
+      grid=(pl.cdiv(m, block_m),),
       in_specs=[pl.BlockSpec((1,), lambda i: (0,)), row_block, whole, whole],
       out_specs=row_block,
       out_shape=jax.ShapeDtypeStruct((m, c), dtype),
@@ -98,6 +97,8 @@ def unsupported(x, scale) -> str:
     return f'dtypes x {x.dtype}, scale {scale.dtype}'
   if _block(x.shape[-1], CHUNK_CHOICES) is None:
     return f'C={x.shape[-1]} is not a multiple of {CHUNK_CHOICES[-1]}'
+  if x.shape[-1] > MAX_C:
+    return f'C={x.shape[-1]} is above {MAX_C}, the row a program holds in registers'
   return ''
 
 

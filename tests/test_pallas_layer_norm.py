@@ -38,7 +38,7 @@ def test_reference_is_flax_layer_norm_bit_for_bit_at_a_traced_layer(x_dtype, dty
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize('c', [1280, 768])
+@pytest.mark.parametrize('c', [1280, 768, 64, 8192])   # 2, 4, 64 and 1 rows a program
 @pytest.mark.parametrize('x_dtype,dtype,tol', [(jnp.float32, None, 1e-5), (jnp.bfloat16, jnp.bfloat16, 1e-2)])
 def test_kernel_reads_the_named_layer_of_the_stacks(c, x_dtype, dtype, tol):
   x, scale, shift = _inputs((3, 13, c), dtype=x_dtype)   # 39 rows: the last row block overhangs
