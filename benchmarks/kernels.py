@@ -35,11 +35,6 @@
     --layer_dense_depth): `pk.layer_dense` against
     XLA's GEMM of the copied slice and of separate weights, against the floor (the weights read
     once, or the FLOPs at the peak where those take longer).
-(h) An affine LayerNorm of parameters stacked on a layer axis (a scanned ViT block's norm1/norm2,
-    MAR-H's width 1280 or --layer_norm_width) at 71-640 rows (--layer_norm_rows), 20 layers as a
-    residual chain h + LN_i(h) in a loop: `pk.layer_norm` (the parameters read in place) against
-    XLA's LayerNorm of the layer's slices (copied out of the stack on a GPU) and of separate
-    parameters (the unrolled blocks), against the floor (x read and the output written once).
 
 Every kernel is first checked against a float32 XLA computation on the same
 bf16 inputs (relative L2 error). Times: medians over repetitions of many
@@ -616,38 +611,6 @@ def bench_layer_dense(args, ceil):
         ['shape', 'variant', 'median us', 'fraction of floor', 'rel. L2 error', 'compile s'], rows)
 
 
-# -------------------------------------------------------------------------- (h)
-def bench_layer_norm(args, ceil):
-  """A residual chain of --layer_norm_depth LayerNorms, each with its layer's scale and shift out of
-  a stack: `pk.layer_norm` against XLA's of the slices and of separate parameters."""
-  impl = 'interpret' if args.smoke else 'triton'
-  depth, c = (2, 64) if args.smoke else (args.layer_norm_depth, args.layer_norm_width)
-  row_counts = (5,) if args.smoke else tuple(int(r) for r in args.layer_norm_rows.split(','))
-  keys = jax.random.split(jax.random.key(3), 2)
-  scale, shift = 1 + jax.random.normal(keys[0], (depth, c)) / 4, jax.random.normal(keys[1], (depth, c)) / 4
-  norm = lambda h, g, s, i, how: h + pk.layer_norm(h, g, s, i, eps=1e-6, dtype=h.dtype, impl=how)
-  rows = []
-  for m in row_counts:
-    x = jax.random.normal(jax.random.key(m), (m, c), jnp.bfloat16) + 2   # a mean off zero, as a residual stream's
-    looped = lambda how: lambda x, g, s: jax.lax.fori_loop(0, depth, lambda i, h: norm(h, g, s, i, how), x)
-
-    def separate(x, gs, ss):
-      for g, s in zip(gs, ss):
-        x = norm(x, g[None], s[None], 0, 'reference')
-      return x
-    variants = {'pallas layer_norm': (looped(impl), (x, scale, shift)),
-                'XLA, slices copied': (looped('reference'), (x, scale, shift)),
-                'XLA, separate parameters': (separate, (x, list(scale), list(shift)))}
-    want = jax.jit(separate)(x.astype(jnp.float32), list(scale), list(shift))
-    floor = floor_ms(0, depth * m * c * 2 * 2, ceil)[1]
-    for name, (fn, inputs) in variants.items():
-      compile_s, ms = timeit(fn, [inputs], 2 if args.smoke else 50)
-      rows.append((f'{depth} x [{m}, {c}]', name, ms * 1e3, floor / ms, rel_err(jax.jit(fn)(*inputs), want), compile_s))
-  table('(h) an affine LayerNorm of stacked parameters per layer, a residual chain over the layers (floor: x read '
-        'and the output written once)',
-        ['shape', 'variant', 'median us', 'fraction of floor', 'rel. L2 error vs float32', 'compile s'], rows)
-
-
 # -------------------------------------------------------------------------- (f)
 def bench_top_k(args, ceil):
   impl = 'interpret' if args.smoke else 'triton'
@@ -672,7 +635,7 @@ def bench_top_k(args, ceil):
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--only', default='a,b,c,d,e,f,g,h')
+  p.add_argument('--only', default='a,b,c,d,e,f,g')
   p.add_argument('--smoke', action='store_true', help='tiny shapes, interpret mode (CPU)')
   p.add_argument('--layer_dense_configs', default='',
                  help="extra tilings for (g), e.g. '128x64s4w4p3' (block_n x block_k, K splits, warps, stages)")
@@ -681,9 +644,6 @@ def main():
                  help="KxN weight shapes of (g) (default Infinity-2B's; "
                  "MAR-H's: 1280x3840,1280x1280,1280x5120,5120x1280)")
   p.add_argument('--layer_dense_depth', type=int, default=32, help='layers of (g)')
-  p.add_argument('--layer_norm_rows', default='71,128,320,640', help='row counts of (h)')
-  p.add_argument('--layer_norm_width', type=int, default=1280, help='width of (h) (MAR-H: 1280)')
-  p.add_argument('--layer_norm_depth', type=int, default=20, help='layers of (h)')
   p.add_argument('--bwd_configs', default='',
                  help="extra backward variants for (b), e.g. '32x64w4,64x128w8'")
   args = compilation_cache.parse_args(p)
@@ -692,7 +652,7 @@ def main():
   print(f'measured ceilings: copy {ceil["copy_gbs"]:.0f} GB/s (read + write), '
         f'bf16 matmul {ceil["tflops"]:.0f} TFLOP/s')
   parts = dict(a=bench_csla, b=bench_training, c=bench_gather, d=bench_gathered,
-               e=bench_column_sums, f=bench_top_k, g=bench_layer_dense, h=bench_layer_norm)
+               e=bench_column_sums, f=bench_top_k, g=bench_layer_dense)
   for part in args.only.split(','):
     try:
       parts[part](args, ceil)

@@ -1,6 +1,6 @@
 """pallas_kernels: block-sparse cross-scale attention, gathered-key attention, attention column
 sums per query group, top-k selection, top-k token gather/scatter, dense + GELU, a dense layer
-and an affine LayerNorm of parameters stacked on a layer axis.
+of weights stacked on a layer axis.
 
 Kernels in Pallas (Triton lowering on NVIDIA GPUs; the block-sparse attention, both
 directions, also in Mosaic GPU on Hopper; dense + GELU in Mosaic GPU only), their layouts,
@@ -13,7 +13,6 @@ from pallas_kernels.dense_gelu import pays as dense_gelu_pays
 from pallas_kernels.dispatch import IMPLS, override, resolve
 from pallas_kernels.gathered_attention import gathered_attention
 from pallas_kernels.layer_dense import layer_dense
-from pallas_kernels.layer_norm import layer_norm
 from pallas_kernels.layout import (BlockLayout, default_block, dense_layout, layout_density,
                                    layout_from_mask, layout_from_rows, level_causal_layout,
                                    scale_causal_layout, schedule_levels, whole_tile_layout)
@@ -24,7 +23,7 @@ from pallas_kernels.token_gather import gather_rows, token_scatter, topk_gather
 
 __all__ = [
     'group_column_sums', 'dense_gelu', 'dense_gelu_pays', 'IMPLS', 'override', 'resolve', 'gathered_attention',
-    'layer_dense', 'layer_norm', 'BlockLayout', 'default_block', 'dense_layout', 'layout_density',
+    'layer_dense', 'BlockLayout', 'default_block', 'dense_layout', 'layout_density',
     'layout_from_mask', 'layout_from_rows', 'level_causal_layout', 'scale_causal_layout',
     'schedule_levels', 'whole_tile_layout',
     'masked_attention', 'block_sparse_attention', 'gather_rows',

@@ -114,8 +114,8 @@ def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, 
 
   Runs one `lax.scan`; `call` is traced once, on a copy of blocks[0] bound to each layer's
   parameters (`stacked`, or `stack_of(blocks)`: all of `blocks`, whichever `layers` run). Sampling
-  (`train` False) indexes the stack at i and hands the dense layers and affine LayerNorms their
-  stacked parameters (`_in_place`); `train` scans the run's slice of the stack as an input instead,
+  (`train` False) indexes the stack at i and hands the dense layers their stacked weights
+  (`_in_place`); `train` scans the run's slice of the stack as an input instead,
   so that the parameters' gradients come out as the scan's stacked outputs rather than a stack-sized
   sum carried through every layer."""
   kinds = {type(b) for b in blocks}
@@ -180,14 +180,6 @@ def _params_at(stacked: Any, module: nn.Module) -> Any:
   return stacked
 
 
-def _affine_norm(module: nn.Module, args: tuple, kwargs: dict) -> bool:
-  """Whether a call of `module` is an affine LayerNorm over the last axis that `pallas_kernels.layer_norm`
-  computes: two-pass variance, float32 statistics, no mask, nothing averaged across devices."""
-  return (type(module) is nn.LayerNorm and module.use_scale and module.use_bias and not module.use_fast_variance
-          and module.force_float32_reductions and module.reduction_axes == -1 and module.feature_axes == -1
-          and module.axis_name is None and len(args) == 1 and kwargs.get('mask') is None)
-
-
 def _dense(module: nn.Module, weights: Any, layer: jax.Array, x: jax.Array) -> jax.Array:
   """A dense layer of the scanned block (`_DENSE`) with its stacked weights at `layer`."""
   dtype = module.dtype or jnp.result_type(x, weights['kernel'])
@@ -199,21 +191,19 @@ def _dense(module: nn.Module, weights: Any, layer: jax.Array, x: jax.Array) -> j
 
 
 def _in_place(stacked: Any, layer: jax.Array):
-  """A flax method interceptor: the scanned block's layers whose parameters XLA would copy out of the
-  stack for every layer read them in place at `layer` instead; other methods run as they are. Each
-  dense layer (`_DENSE`) goes through `pallas_kernels.layer_dense` (the kernel at few rows on a GPU;
-  XLA's GEMM, kept apart from its bias, elsewhere); a DenseGELU of as many rows as
-  `pallas_kernels.dense_gelu` fuses (bound by its FLOPs, not its weights) takes the layer's slice to
-  that kernel, as an unrolled block does. Each affine LayerNorm (`_affine_norm`) goes through
-  `pallas_kernels.layer_norm`: XLA's LayerNorm fusions on a GPU cannot take the slice in place."""
+  """A flax method interceptor: the scanned block's dense layers (`_DENSE`), whose weights XLA would
+  copy out of the stack for every layer, go through `pallas_kernels.layer_dense` at `layer` (the
+  kernel, which reads them in place, up to its AUTO_MAX_ROWS rows on a GPU; XLA's GEMM, kept apart
+  from its bias, elsewhere); a DenseGELU of as many rows as `pallas_kernels.dense_gelu` fuses (bound
+  by its FLOPs, not its weights) takes the layer's slice to that kernel, as an unrolled block does.
+  Other methods run as they are: XLA copies a scanned LayerNorm's scale and bias out of the stack
+  (its LayerNorm fusions take no slice in place), two small copies that cost less than a kernel of
+  its own (pallas_kernels/NOTES.md)."""
   def intercept(next_fun, args, kwargs, context):
     module = context.module
     if context.method_name != '__call__':
       return next_fun(*args, **kwargs)
     if type(module) in _DENSE:
       return _dense(module, _params_at(stacked, module), layer, args[0])
-    if _affine_norm(module, args, kwargs):
-      params = _params_at(stacked, module)
-      return pk.layer_norm(args[0], params['scale'], params['bias'], layer, eps=module.epsilon, dtype=module.dtype)
     return next_fun(*args, **kwargs)
   return intercept
