@@ -13,9 +13,9 @@ keep every SM streaming. The parts are summed and rounded to x's dtype, then the
 flax's Dense adds it); with K in one part (splits=1) the kernel rounds and adds the bias itself:
 one launch, no float32 partials.
 
-'auto' runs the kernel on an NVIDIA GPU for at most AUTO_MAX_ROWS rows, where the GEMM reads its
-weights and little else; XLA's GEMM elsewhere (the reference), of the slice in place where XLA's
-options allow it, of a copy otherwise.
+'auto' runs the kernel on an NVIDIA GPU for at most AUTO_MAX_ROWS rows, where reading the layer's
+slice in place beats XLA's GEMM of a copy of it; XLA's GEMM elsewhere (the reference), of the slice
+in place where XLA's options allow it, of a copy otherwise.
 """
 from __future__ import annotations
 
