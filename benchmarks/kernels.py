@@ -39,7 +39,7 @@
 Every kernel is first checked against a float32 XLA computation on the same
 bf16 inputs (relative L2 error). Times: medians over repetitions of many
 back-to-back calls (inputs rotated beyond L2) after warm-up; compile apart.
-Usage (GPU): PYTHONPATH=. python3 benchmarks/kernels.py [--only a,b,c,d,e,f,g,h]
+Usage (GPU): PYTHONPATH=. python3 benchmarks/kernels.py [--only a,b,c,d,e,f,g]
 CPU smoke run of the script itself (tiny shapes, interpret mode): --smoke
 """
 from __future__ import annotations

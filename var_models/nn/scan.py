@@ -115,9 +115,9 @@ def scan_blocks(blocks: Sequence[nn.Module], layers: Sequence[int], carry: Any, 
   Runs one `lax.scan`; `call` is traced once, on a copy of blocks[0] bound to each layer's
   parameters (`stacked`, or `stack_of(blocks)`: all of `blocks`, whichever `layers` run). Sampling
   (`train` False) indexes the stack at i and hands the dense layers their stacked weights
-  (`_in_place`); `train` scans the run's slice of the stack as an input instead,
-  so that the parameters' gradients come out as the scan's stacked outputs rather than a stack-sized
-  sum carried through every layer."""
+  (`_in_place`); `train` scans the run's slice of the stack as an input instead, so that the
+  parameters' gradients come out as the scan's stacked outputs rather than a stack-sized sum carried
+  through every layer."""
   kinds = {type(b) for b in blocks}
   if len(kinds) != 1:
     raise ValueError(f'scan_blocks: the blocks must be of one class, got {sorted(k.__name__ for k in kinds)}')
@@ -173,15 +173,11 @@ def through_runs(blocks: Sequence[nn.Module], runs: Sequence[Sequence[int]], hoo
 _DENSE = {nn.Dense: lambda y: y, DenseGELU: lambda y: jax.nn.gelu(y, approximate=True)}
 
 
-def _params_at(stacked: Any, module: nn.Module) -> Any:
-  """The stacked parameters of `module` (a submodule of the scanned block) in `stacked`."""
+def _dense(module: nn.Module, stacked: Any, layer: jax.Array, x: jax.Array) -> jax.Array:
+  """A dense layer of the scanned block (`_DENSE`) with its weights in `stacked` at `layer`."""
+  weights = stacked
   for name in module.path:
-    stacked = stacked[name]
-  return stacked
-
-
-def _dense(module: nn.Module, weights: Any, layer: jax.Array, x: jax.Array) -> jax.Array:
-  """A dense layer of the scanned block (`_DENSE`) with its stacked weights at `layer`."""
+    weights = weights[name]
   dtype = module.dtype or jnp.result_type(x, weights['kernel'])
   if type(module) is DenseGELU and pk.dense_gelu_pays(x.size // x.shape[-1]):
     at = lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False).astype(dtype)
@@ -200,10 +196,7 @@ def _in_place(stacked: Any, layer: jax.Array):
   (its LayerNorm fusions take no slice in place), two small copies that cost less than a kernel of
   its own (pallas_kernels/NOTES.md)."""
   def intercept(next_fun, args, kwargs, context):
-    module = context.module
-    if context.method_name != '__call__':
+    if type(context.module) not in _DENSE or context.method_name != '__call__':
       return next_fun(*args, **kwargs)
-    if type(module) in _DENSE:
-      return _dense(module, _params_at(stacked, module), layer, args[0])
-    return next_fun(*args, **kwargs)
+    return _dense(context.module, stacked, layer, args[0])
   return intercept
