@@ -21,7 +21,8 @@ compiled again under each set of XLA options, as rows 'spec xla1', 'spec xla2', 
 set, '' by default, is XLA's defaults; a list value stays whole:
 ';xla_gpu_enable_command_buffer=FUSION,CUBLAS'). --layer_dense_max_rows N: scanned blocks' dense
 layers run `pallas_kernels.layer_dense`'s kernel up to N rows in this process (its AUTO_MAX_ROWS
-otherwise); compare two such runs by their scanned / unrolled ratios.
+otherwise); compare two such runs by their scanned / unrolled ratios. --layer_dense_mosaic_rows N:
+from N rows they run its Mosaic GPU kernel on Hopper (its AUTO_MOSAIC_MIN_ROWS otherwise).
 Every sampler is lowered in turn and compiled in a pool of --compile_workers threads (compile
 seconds are each program's own wall time, under that contention), then, after --wait_for
 exists (so the compiles can overlap other GPU work), each is timed alone: medians of --iters
@@ -391,14 +392,19 @@ def main():
   ap.add_argument('--family_overrides', default='', help="sampling settings of every MAR and E-CAR sampler "
                   "('key=value,...', e.g. 'encoder_sizes=0'); ';'-separated sets compile and time each set's rows")
   ap.add_argument('--family_dtype', default='bfloat16', help='compute dtype of the MAR and E-CAR models')
+  ap.add_argument('--layer_dense_mosaic_rows', type=int, default=layer_dense_module.AUTO_MOSAIC_MIN_ROWS,
+                  help="rows from which a scanned block's dense layers run layer_dense's Mosaic GPU kernel "
+                  'on Hopper (0: never, the Triton kernel)')
   ap.add_argument('--layer_dense_max_rows', type=int, default=0,
                   help="rows up to which a scanned block's dense layers run pallas_kernels.layer_dense's kernel "
                   f'(0: its AUTO_MAX_ROWS, {layer_dense_module.AUTO_MAX_ROWS}; above, XLA\'s GEMM of a copy)')
   args = compilation_cache.parse_args(ap)
   if args.layer_dense_max_rows:
     layer_dense_module.AUTO_MAX_ROWS = args.layer_dense_max_rows
+  layer_dense_module.AUTO_MOSAIC_MIN_ROWS = args.layer_dense_mosaic_rows
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}; layer_dense kernel up to '
-        f'{layer_dense_module.AUTO_MAX_ROWS} rows', flush=True)
+        f'{layer_dense_module.AUTO_MAX_ROWS} rows, Mosaic GPU from {args.layer_dense_mosaic_rows or "none"}',
+        flush=True)
   if args.flops and args.ecar_sizes:
     ap.error('--flops counts VAR and MAR models, not E-CAR')
   if args.flops and args.mar_sizes:

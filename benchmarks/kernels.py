@@ -32,8 +32,8 @@
     exact set equality, bandwidth against the device copy.
 (g) A dense layer of weights stacked on a layer axis (a scanned block's) at Infinity-2B's four
     shapes (or --layer_dense_shapes), 2-128 rows and 32 layers in a loop (or --layer_dense_rows,
-    --layer_dense_depth): `pk.layer_dense` against
-    XLA's GEMM of the copied slice and of separate weights, against the floor (the weights read
+    --layer_dense_depth): `pk.layer_dense` (its Triton kernel; on Hopper its Mosaic GPU kernel
+    too, with --layer_dense_mosaic_configs' tilings) against XLA's GEMM of the copied slice and of separate weights, against the floor (the weights read
     once, or the FLOPs at the peak where those take longer).
 
 Every kernel is first checked against a float32 XLA computation on the same
@@ -52,11 +52,13 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from sampling import compilation_cache
 import pallas_kernels as pk
-from pallas_kernels import reference
+from pallas_kernels import layer_dense_mgpu, reference
+from pallas_kernels.dispatch import is_hopper
 from pallas_kernels.layer_dense import tiling_error
 from accel.fastvar import pts_scores
 from accel.sparvar import csla_layout
@@ -573,6 +575,16 @@ def layer_dense_tilings(configs: str, k: int, n: int):
       yield f'pallas {cfg}', dict(block_m=bm, block_n=bn, block_k=bk, splits=splits, num_warps=warps, num_stages=stages)
 
 
+def separate_in_turn(x, ws, bs):
+  """sum_i x @ ws[i] + bs[i], the layers in turn as an unrolled model runs them: each product waits
+  for the sum before it (an optimization barrier), so XLA can neither run them side by side nor
+  merge them into one GEMM of the concatenated weights."""
+  acc = jnp.zeros((x.shape[0], ws[0].shape[1]), x.dtype)
+  for wi, bi in zip(ws, bs):
+    acc, x = lax.optimization_barrier((acc + x @ wi + bi, x))
+  return acc
+
+
 def bench_layer_dense(args, ceil):
   """One Dense of each of --layer_dense_depth layers, its weights stacked on a layer axis (a scanned block's),
   summed over the layers in a loop: `pk.layer_dense` (weights read in place) against XLA's GEMM of
@@ -597,10 +609,16 @@ def bench_layer_dense(args, ceil):
       variants = {
           'pallas layer_dense': (looped(impl), (x, w, b)),
           'XLA, slice copied': (looped('reference'), (x, w, b)),
-          'XLA, separate weights': (lambda x, ws, bs: sum(x @ wi + bi for wi, bi in zip(ws, bs)), (x, ws, bs)),
+          'XLA, separate weights': (separate_in_turn, (x, ws, bs)),
       }
       for name, tiling in layer_dense_tilings(args.layer_dense_configs, k, n):
         variants[name] = (looped(impl, **tiling), (x, w, b))
+      if not args.smoke and is_hopper() and not layer_dense_mgpu.unsupported(x, w):
+        variants['mosaic layer_dense'] = (looped('mosaic'), (x, w, b))
+        for cfg in filter(None, args.layer_dense_mosaic_configs.split(',')):
+          tiling = layer_dense_mgpu.Tiling(*map(int, re.fullmatch(r'(\d+)x(\d+)s(\d+)p(\d+)', cfg).groups()))
+          if not layer_dense_mgpu.tiling_error(k, n, tiling):
+            variants[f'mosaic {cfg}'] = (looped('mosaic', mosaic_tiling=tiling), (x, w, b))
       floor = max(floor_ms(2 * depth * m * k * n, depth * k * n * jnp.dtype(dtype).itemsize, ceil))
       for name, (fn, inputs) in variants.items():
         compile_s, ms = timeit(fn, [inputs], 2 if args.smoke else 50)
@@ -639,6 +657,9 @@ def main():
   p.add_argument('--smoke', action='store_true', help='tiny shapes, interpret mode (CPU)')
   p.add_argument('--layer_dense_configs', default='',
                  help="extra tilings for (g), e.g. '128x64s4w4p3' (block_n x block_k, K splits, warps, stages)")
+  p.add_argument('--layer_dense_mosaic_configs', default='',
+                 help="extra tilings of (g)'s Mosaic GPU kernel on Hopper, e.g. '64x128s1p4' (tile_m x tile_n "
+                 "of a warpgroup, K splits, stages)")
   p.add_argument('--layer_dense_rows', default='2,16,64,128', help='row counts of (g)')
   p.add_argument('--layer_dense_shapes', default='2048x6144,2048x2048,2048x8192,8192x2048',
                  help="KxN weight shapes of (g) (default Infinity-2B's; "

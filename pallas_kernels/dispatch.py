@@ -5,7 +5,8 @@
                  plain-jnp reference elsewhere;
   'triton'    -- the Pallas Triton lowering (A100, H100, ...);
   'mosaic'    -- the Pallas Mosaic GPU lowering (Hopper), for the calls that have
-                 one (the attention, forward and backward);
+                 one (the attention, forward and backward; dense + GELU; the dense
+                 layer of stacked weights);
   'interpret' -- the Pallas kernel in interpret mode (CPU tests);
   'reference' -- the plain-jnp reference.
 """

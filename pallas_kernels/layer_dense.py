@@ -15,7 +15,9 @@ one launch, no float32 partials.
 
 'auto' runs the kernel on an NVIDIA GPU for at most AUTO_MAX_ROWS rows, where reading the layer's
 slice in place beats XLA's GEMM of a copy of it; XLA's GEMM elsewhere (the reference), of the slice
-in place where XLA's options allow it, of a copy otherwise.
+in place where XLA's options allow it, of a copy otherwise. On Hopper, `layer_dense_mgpu.py` is the
+same GEMM in the Mosaic GPU lowering (TMA loads of w[layer], wgmma); 'auto' takes it from
+AUTO_MOSAIC_MIN_ROWS rows, off until a sampler runs faster with it (pallas_kernels/NOTES.md).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, layer_dense_mgpu
 from pallas_kernels.sparse_attention import _row_mask
 
 # Rows up to which 'auto' runs the kernel: at MAR-H's shapes it beats XLA's GEMM of a copy of the
@@ -36,6 +38,9 @@ from pallas_kernels.sparse_attention import _row_mask
 # scanned MAR-H program compiles in 26 s alone against 35 s with XLA's GEMMs above 128 rows).
 # Above, the GEMM is bound by its FLOPs and XLA's copy of the slice costs little beside it.
 AUTO_MAX_ROWS = 640
+# Rows from which 'auto' takes the Mosaic GPU kernel (`layer_dense_mgpu.py`) on a Hopper GPU, up to
+# AUTO_MAX_ROWS (0: never; the Triton kernel).
+AUTO_MOSAIC_MIN_ROWS = 0
 BLOCK_K = 64
 # Programs a call aims at (K split where the column blocks are fewer): about two per SM of an
 # H100 (132), so that every SM streams weights.
@@ -142,19 +147,34 @@ def tiling_error(k: int, n: int, block_n: int, block_k: int, splits: int, block_
 
 
 def _resolve(x2, w, impl: str) -> str:
-  if impl == 'auto' and (x2.shape[0] > AUTO_MAX_ROWS or unsupported(x2, w)):
+  rows = x2.shape[0]
+  if impl == 'auto' and (rows > AUTO_MAX_ROWS or unsupported(x2, w)):
     impl = 'reference'
-  return dispatch.resolve(impl, 'layer_dense has no Mosaic GPU kernel')
+  why = layer_dense_mgpu.unsupported(x2, w)
+  if impl == 'auto' and not why and not 0 < AUTO_MOSAIC_MIN_ROWS <= rows:
+    why = f"'auto' takes the Mosaic GPU kernel from AUTO_MOSAIC_MIN_ROWS={AUTO_MOSAIC_MIN_ROWS} rows"
+  return dispatch.resolve(impl, why)
+
+
+def _mosaic(x2, w, b, layer, tiling: Optional[layer_dense_mgpu.Tiling]):
+  """The Mosaic GPU kernel on x2 [M, K] (its tiling chosen for the shape unless given)."""
+  num_sms = jax.devices()[0].core_count
+  tiling = tiling or layer_dense_mgpu.choose(*x2.shape, w.shape[2], num_sms)
+  if why := layer_dense_mgpu.tiling_error(x2.shape[1], w.shape[2], tiling):
+    raise ValueError(f'layer_dense Mosaic GPU tiling: {why}')
+  out = layer_dense_mgpu.layer_dense(x2, w, b, layer, tiling, num_sms)
+  return out if tiling.splits == 1 else _plus_bias(out.sum(0).astype(x2.dtype), b, layer)
 
 
 def layer_dense(x: jax.Array, w: jax.Array, b: Optional[jax.Array], layer, *, impl: str = 'auto',
                 block_m: int = 0, block_n: int = 0, block_k: int = BLOCK_K, splits: int = 0, num_warps: int = 4,
-                num_stages: int = 3) -> jax.Array:
+                num_stages: int = 3, mosaic_tiling: Optional[layer_dense_mgpu.Tiling] = None) -> jax.Array:
   """x [..., K] @ w[layer] + b[layer] -> [..., N] in x's dtype; w [L, K, N], b [L, N] or None,
-  `layer` an int scalar (traced or not). `impl`: as `dispatch.resolve` ('mosaic' is not built);
-  'auto' keeps more than AUTO_MAX_ROWS rows, and shapes `unsupported` names, on the reference.
-  The tiling (0: chosen as the module docstring says; block_m 16 up to 16 rows, else 64) is for
-  benchmarks: `block_m` a multiple of 16, `block_k` must divide K, `splits` K // block_k."""
+  `layer` an int scalar (traced or not). `impl`: as `dispatch.resolve`; 'auto' keeps more than
+  AUTO_MAX_ROWS rows, and shapes `unsupported` names, on the reference, and takes the Mosaic GPU
+  kernel on Hopper from AUTO_MOSAIC_MIN_ROWS rows. The tilings (0 / None: chosen for the shape;
+  block_m 16 up to 16 rows, else 64) are for benchmarks: `block_m` a multiple of 16, `block_k`
+  must divide K, `splits` K // block_k; `mosaic_tiling` the Mosaic GPU kernel's."""
   if w.ndim != 3 or x.shape[-1] != w.shape[1] or (b is not None and b.shape != (w.shape[0], w.shape[2])):
     raise ValueError(f'layer_dense expects x [..., K], w [L, K, N], b [L, N]; got {x.shape}, {w.shape}, '
                      f'{None if b is None else b.shape}')
@@ -162,6 +182,8 @@ def layer_dense(x: jax.Array, w: jax.Array, b: Optional[jax.Array], layer, *, im
   impl = _resolve(x2, w, impl)
   if impl == 'reference':
     return reference(x, w, b, layer)
+  if impl == 'mosaic':
+    return _mosaic(x2, w, b, layer, mosaic_tiling).reshape(*x.shape[:-1], w.shape[2])
   if why := unsupported(x2, w):
     raise ValueError(f'layer_dense kernel: {why}')
   rows, n = x2.shape[0], w.shape[2]

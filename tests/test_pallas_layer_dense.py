@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import layer_dense
+from pallas_kernels import layer_dense, layer_dense_mgpu
+from pallas_kernels.dispatch import is_hopper
 from pallas_kernels.layer_dense import AUTO_MAX_ROWS, reference
 
 
@@ -84,3 +85,55 @@ def test_bad_shapes_name_the_problem():
     layer_dense(x, w[0], b, 0)
   with pytest.raises(ValueError, match='K=48 is not a multiple'):
     layer_dense(x[:, :48], w[:, :48], b, 0, impl='interpret')
+
+
+# ---------------------------------------------------------------- the Mosaic GPU kernel (Hopper)
+MAR_H_SHAPES = [(1280, 3840), (1280, 1280), (1280, 5120), (5120, 1280)]
+
+
+@pytest.mark.parametrize('m', [40, 184, 640])
+@pytest.mark.parametrize('k,n', MAR_H_SHAPES + [(2048, 6144), (8192, 2048)])
+def test_mosaic_tiling_divides_the_shape_and_fits_shared_memory(m, k, n):
+  assert layer_dense_mgpu.tiling_error(k, n, layer_dense_mgpu.choose(m, k, n, 132)) == ''
+
+
+def test_mosaic_tiling_errors_name_the_misfit():
+  assert 'must divide N=384' in layer_dense_mgpu.tiling_error(1280, 384, layer_dense_mgpu.Tiling(64, 128, 1, 4))
+  assert 'splits 3' in layer_dense_mgpu.tiling_error(1280, 1280, layer_dense_mgpu.Tiling(64, 64, 3, 4))
+  assert 'shared memory' in layer_dense_mgpu.tiling_error(1280, 1280, layer_dense_mgpu.Tiling(128, 128, 1, 5))
+
+
+@pytest.mark.parametrize('tiling', [layer_dense_mgpu.Tiling(64, 64, 1, 4), layer_dense_mgpu.Tiling(128, 128, 2, 3)])
+def test_mosaic_kernel_lowers_for_cuda_on_the_cpu(tiling):
+  """Mosaic GPU's lowering (shared memory, layouts, barriers) runs without a GPU."""
+  x = jax.ShapeDtypeStruct((184, 256), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((3, 256, 512), jnp.bfloat16)
+  fn = lambda x, w, i: layer_dense_mgpu.layer_dense(x, w, None, i, tiling, num_sms=8)
+  lowered = jax.jit(fn).trace(x, w, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=('cuda',))
+  assert 'mosaic_gpu' in lowered.as_text()
+
+
+def test_mosaic_impl_names_what_it_does_not_take():
+  x, w, b = _inputs(8, 64, 128)
+  with pytest.raises(ValueError, match="impl='mosaic'.*bfloat16 or float16"):
+    layer_dense(x, w, b, 0, impl='mosaic')
+  x, w, b = _inputs(306, 64, 128, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="impl='mosaic'.*M a multiple of 8.*got 306"):
+    layer_dense(x, w, b, 0, impl='mosaic')
+
+
+@pytest.mark.skipif(not is_hopper(), reason='the Mosaic GPU kernel runs on Hopper GPUs only')
+@pytest.mark.parametrize('m', [40, 184, 640])
+@pytest.mark.parametrize('k,n', MAR_H_SHAPES)
+@pytest.mark.parametrize('tiling', [None, layer_dense_mgpu.Tiling(64, 64, 4, 4), layer_dense_mgpu.Tiling(128, 128, 1, 3),
+                                    layer_dense_mgpu.Tiling(128, 64, 1, 4)])
+def test_mosaic_kernel_matches_the_reference_in_a_scan(m, k, n, tiling):
+  x, w, b = _inputs(m, k, n, layers=4, dtype=jnp.bfloat16, bias=n != 1280 or k != 1280)
+
+  def layers(dense):
+    return jax.jit(lambda x, w, b: jax.lax.scan(lambda h, i: (h, dense(x, w, b, i)), 0, jnp.arange(4))[1])
+
+  got = layers(lambda *a: layer_dense(*a, impl='mosaic', mosaic_tiling=tiling))(x, w, b)
+  want = layers(reference)(x, w, b)
+  rel = np.linalg.norm(np.asarray(got, np.float32) - np.asarray(want, np.float32)) / np.linalg.norm(np.asarray(want, np.float32))
+  assert got.dtype == jnp.bfloat16 and rel < 1e-2, rel
