@@ -32,7 +32,7 @@
     exact set equality, bandwidth against the device copy.
 (g) A dense layer of weights stacked on a layer axis (a scanned block's) at Infinity-2B's four
     shapes (or --layer_dense_shapes), 2-128 rows and 32 layers in a loop (or --layer_dense_rows,
-    --layer_dense_depth): `pk.layer_dense` (its Triton kernel; on Hopper its Mosaic GPU kernel
+    --layer_dense_depth; --layer_dense_unroll layers an iteration): `pk.layer_dense` (its Triton kernel; on Hopper its Mosaic GPU kernel
     too, with --layer_dense_mosaic_configs' tilings) against XLA's GEMM of the copied slice and of separate weights, against the floor (the weights read
     once, or the FLOPs at the peak where those take longer).
 
@@ -605,7 +605,7 @@ def bench_layer_dense(args, ceil):
       def looped(layer_impl, **tiling):
         return lambda x, w, b: jax.lax.fori_loop(
             0, depth, lambda i, acc: acc + pk.layer_dense(x, w, b, i, impl=layer_impl, **tiling),
-            jnp.zeros((m, n), dtype))
+            jnp.zeros((m, n), dtype), unroll=args.layer_dense_unroll)
       variants = {
           'pallas layer_dense': (looped(impl), (x, w, b)),
           'XLA, slice copied': (looped('reference'), (x, w, b)),
@@ -665,6 +665,9 @@ def main():
                  help="KxN weight shapes of (g) (default Infinity-2B's; "
                  "MAR-H's: 1280x3840,1280x1280,1280x5120,5120x1280)")
   p.add_argument('--layer_dense_depth', type=int, default=32, help='layers of (g)')
+  p.add_argument('--layer_dense_unroll', type=int, default=1,
+                 help="layers per iteration of (g)'s loop: at a few hundred rows and less an iteration of "
+                 'one layer costs the same ~14 us on the H200 whatever it runs, so compare kernels there at 4-5')
   p.add_argument('--bwd_configs', default='',
                  help="extra backward variants for (b), e.g. '32x64w4,64x128w8'")
   args = compilation_cache.parse_args(p)
