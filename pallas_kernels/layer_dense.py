@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import dispatch, layer_dense_mgpu
-from pallas_kernels.sparse_attention import _row_mask
+from pallas_kernels.sparse_attention import row_mask
 
 # Rows up to which 'auto' runs the kernel: at MAR-H's shapes it beats XLA's GEMM of a copy of the
 # layer's slice at 320 and 640 rows in 7 of 8 cases (NOTES.md), and it takes no autotuning (LazyMAR's
@@ -71,7 +71,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, rows: int, block_n: int, block_k: in
   Rows past `rows` (the last row block's overhang) are neither read nor written."""
   layer, col0, k0 = layer_ref[0], pl.program_id(1) * block_n, pl.program_id(2) * steps * block_k
   block_m = x_ref.shape[0]
-  live = _row_mask(pl.program_id(0) * block_m, block_m, rows, 2)   # [block_m, 1]
+  live = row_mask(pl.program_id(0) * block_m, block_m, rows, 2)   # [block_m, 1]
 
   def step(t, acc):
     x = plgpu.load(x_ref.at[:, pl.ds(k0 + t * block_k, block_k)], mask=live, other=0)

@@ -44,20 +44,22 @@ class _Config:
 
 
 # ----------------------------------------------------------------- in-kernel helpers
-def _row_mask(start, size, limit, ndim):
+def row_mask(start, size, limit, ndim):
+  """Which of the rows start .. start + size - 1 lie before `limit`: [size] (ndim 1) or [size, 1],
+  the mask of a Triton-lowered load or store of a block that may overhang its array."""
   ok = start + jnp.arange(size) < limit
   return ok if ndim == 1 else ok[:, None]
 
 
 def _load_rows(ref, start, size, limit, other=0.0):
   """ref[start:start + size] with rows past `limit` read as `other`."""
-  return plgpu.load(ref.at[pl.ds(start, size)], mask=_row_mask(start, size, limit, ref.ndim),
+  return plgpu.load(ref.at[pl.ds(start, size)], mask=row_mask(start, size, limit, ref.ndim),
                     other=other)
 
 
 def _store_rows(ref, start, value, limit):
   plgpu.store(ref.at[pl.ds(start, value.shape[0])], value,
-              mask=_row_mask(start, value.shape[0], limit, ref.ndim))
+              mask=row_mask(start, value.shape[0], limit, ref.ndim))
 
 
 def _dot(a, b, contract):
