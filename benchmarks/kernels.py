@@ -32,8 +32,9 @@
     exact set equality, bandwidth against the device copy.
 (g) A dense layer of weights stacked on a layer axis (a scanned block's) at Infinity-2B's four
     shapes (or --layer_dense_shapes), 2-128 rows and 32 layers in a loop (or --layer_dense_rows,
-    --layer_dense_depth; --layer_dense_unroll layers an iteration): `pk.layer_dense` (its Triton kernel; on Hopper its Mosaic GPU kernel
-    too, with --layer_dense_mosaic_configs' tilings) against XLA's GEMM of the copied slice and of separate weights, against the floor (the weights read
+    --layer_dense_depth; --layer_dense_unroll layers an iteration): `pk.layer_dense` (its Triton
+    kernel; on Hopper its Mosaic GPU kernel too, with --layer_dense_mosaic_configs' tilings) against
+    XLA's GEMM of the copied slice and of separate weights, against the floor (the weights read
     once, or the FLOPs at the peak where those take longer).
 
 Every kernel is first checked against a float32 XLA computation on the same
@@ -575,6 +576,15 @@ def layer_dense_tilings(configs: str, k: int, n: int):
       yield f'pallas {cfg}', dict(block_m=bm, block_n=bn, block_k=bk, splits=splits, num_warps=warps, num_stages=stages)
 
 
+def mosaic_tilings(configs: str, k: int, n: int):
+  """(row name, Mosaic GPU tiling) of each of --layer_dense_mosaic_configs ('64x128s1p4': tile_m x
+  tile_n, K splits, stages) that fits K and N."""
+  for cfg in filter(None, configs.split(',')):
+    tiling = layer_dense_mgpu.Tiling(*map(int, re.fullmatch(r'(\d+)x(\d+)s(\d+)p(\d+)', cfg).groups()))
+    if not layer_dense_mgpu.tiling_error(k, n, tiling):
+      yield f'mosaic {cfg}', tiling
+
+
 def separate_in_turn(x, ws, bs):
   """sum_i x @ ws[i] + bs[i], the layers in turn as an unrolled model runs them: each product waits
   for the sum before it (an optimization barrier), so XLA can neither run them side by side nor
@@ -615,10 +625,8 @@ def bench_layer_dense(args, ceil):
         variants[name] = (looped(impl, **tiling), (x, w, b))
       if not args.smoke and is_hopper() and not layer_dense_mgpu.unsupported(x, w):
         variants['mosaic layer_dense'] = (looped('mosaic'), (x, w, b))
-        for cfg in filter(None, args.layer_dense_mosaic_configs.split(',')):
-          tiling = layer_dense_mgpu.Tiling(*map(int, re.fullmatch(r'(\d+)x(\d+)s(\d+)p(\d+)', cfg).groups()))
-          if not layer_dense_mgpu.tiling_error(k, n, tiling):
-            variants[f'mosaic {cfg}'] = (looped('mosaic', mosaic_tiling=tiling), (x, w, b))
+        for name, tiling in mosaic_tilings(args.layer_dense_mosaic_configs, k, n):
+          variants[name] = (looped('mosaic', mosaic_tiling=tiling), (x, w, b))
       floor = max(floor_ms(2 * depth * m * k * n, depth * k * n * jnp.dtype(dtype).itemsize, ceil))
       for name, (fn, inputs) in variants.items():
         compile_s, ms = timeit(fn, [inputs], 2 if args.smoke else 50)

@@ -157,13 +157,29 @@ def _resolve(x2, w, impl: str) -> str:
 
 
 def _mosaic(x2, w, b, layer, tiling: Optional[layer_dense_mgpu.Tiling]):
-  """The Mosaic GPU kernel on x2 [M, K] (its tiling chosen for the shape unless given)."""
+  """The Mosaic GPU kernel on x2 [M, K] (its tiling chosen for the shape unless given): [M, N], or
+  [splits, M, N] float32 partial products."""
   num_sms = jax.devices()[0].core_count
   tiling = tiling or layer_dense_mgpu.choose(*x2.shape, w.shape[2], num_sms)
   if why := layer_dense_mgpu.tiling_error(x2.shape[1], w.shape[2], tiling):
     raise ValueError(f'layer_dense Mosaic GPU tiling: {why}')
-  out = layer_dense_mgpu.layer_dense(x2, w, b, layer, tiling, num_sms)
-  return out if tiling.splits == 1 else _plus_bias(out.sum(0).astype(x2.dtype), b, layer)
+  return layer_dense_mgpu.layer_dense(x2, w, b, layer, tiling, num_sms)
+
+
+def _triton(x2, w, b, layer, interpret: bool, block_m: int, block_n: int, block_k: int, splits: int,
+            num_warps: int, num_stages: int):
+  """The Triton-lowered kernel on x2 [M, K] (0: the tiling chosen as the module docstring says):
+  [M, N], or [splits, M, N] float32 partial products."""
+  if why := unsupported(x2, w):
+    raise ValueError(f'layer_dense kernel: {why}')
+  rows, n = x2.shape[0], w.shape[2]
+  block_m = block_m or (16 if rows <= 16 else 64)
+  block_n = block_n or _block(n, BLOCK_N_CHOICES)
+  k_steps = x2.shape[1] // block_k
+  splits = splits or _splits(pl.cdiv(rows, block_m) * n // block_n, k_steps)
+  if why := tiling_error(x2.shape[1], n, block_n, block_k, splits, block_m):
+    raise ValueError(f'layer_dense tiling: {why}')
+  return _call(x2, w, b, layer, interpret, block_m, block_n, block_k, splits, num_warps, num_stages)
 
 
 def layer_dense(x: jax.Array, w: jax.Array, b: Optional[jax.Array], layer, *, impl: str = 'auto',
@@ -183,17 +199,9 @@ def layer_dense(x: jax.Array, w: jax.Array, b: Optional[jax.Array], layer, *, im
   if impl == 'reference':
     return reference(x, w, b, layer)
   if impl == 'mosaic':
-    return _mosaic(x2, w, b, layer, mosaic_tiling).reshape(*x.shape[:-1], w.shape[2])
-  if why := unsupported(x2, w):
-    raise ValueError(f'layer_dense kernel: {why}')
-  rows, n = x2.shape[0], w.shape[2]
-  block_m = block_m or (16 if rows <= 16 else 64)
-  block_n = block_n or _block(n, BLOCK_N_CHOICES)
-  k_steps = x2.shape[1] // block_k
-  splits = splits or _splits(pl.cdiv(rows, block_m) * n // block_n, k_steps)
-  if why := tiling_error(x2.shape[1], n, block_n, block_k, splits, block_m):
-    raise ValueError(f'layer_dense tiling: {why}')
-  out = _call(x2, w, b, layer, impl == 'interpret', block_m, block_n, block_k, splits, num_warps, num_stages)
-  if splits > 1:
+    out = _mosaic(x2, w, b, layer, mosaic_tiling)
+  else:
+    out = _triton(x2, w, b, layer, impl == 'interpret', block_m, block_n, block_k, splits, num_warps, num_stages)
+  if out.ndim == 3:   # the K parts' float32 products: summed, rounded, the bias added
     out = _plus_bias(out.sum(0).astype(x.dtype), b, layer)
-  return out.reshape(*x.shape[:-1], n)
+  return out.reshape(*x.shape[:-1], w.shape[2])
