@@ -11,7 +11,8 @@ compute dtype, at the HBM bandwidth a copy reaches in the same run. `--adaln_ahe
 compiles each sampler twice, side by side: the diffusion head's adaLN outputs of every step
 computed before its loop up to 128 rows (`blocks.ADALN_AHEAD_MAX_ROWS`), and at every step;
 `--encoder_sizes 4,0` likewise: the encoder on the known positions at up to 4 lengths, and on
-every position.
+every position; `--xla ';xla_gpu_enable_pdl=true'` likewise: XLA's defaults, then each set of
+options.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import numpy as np
 from sampling import compilation_cache
 from configs import mar as mar_configs
 import floors
-from timing import print_top_device_ops, time_compiled
+from timing import print_top_device_ops, time_compiled, xla_variants
 from var_models.mar import from_config as models
 from var_models.mar.sampler import make_mar_sampler
 from var_models.nn import blocks
@@ -42,23 +43,25 @@ def weight_reads(params, num_iter: int, steps: int, dtype: str) -> dict:
           'KL-16 decoder': (floors.weight_bytes((vae['decoder'], vae['post_quant_conv']), dtype), 1)}
 
 
-def time_one(make_sampler, params, labels, ahead_rows: int, encoder_sizes, args, bound, bandwidth, **meta) -> dict:
-  """Compiles and times a new sampler's call on `labels` [B], the head's adaLN outputs computed
-  ahead up to ahead_rows rows, the encoder at `encoder_sizes` lengths (a sampler of its own: each
-  traces once)."""
+def time_one(make_sampler, params, labels, ahead_rows: int, encoder_sizes, xla: dict, args, bound, bandwidth,
+             **meta) -> dict:
+  """Compiles (with XLA options `xla`) and times a new sampler's call on `labels` [B], the head's
+  adaLN outputs computed ahead up to ahead_rows rows, the encoder at `encoder_sizes` lengths (a
+  sampler of its own: each traces once)."""
   lab, cfg, temp = jnp.asarray(labels), jnp.float32(args.cfg), jnp.float32(1.0)
   blocks.ADALN_AHEAD_MAX_ROWS = ahead_rows   # read when the sampler is traced
   sample = make_sampler(encoder_sizes)
   compiled, row = time_compiled(sample.lower(params, jax.random.key(0), labels, cfg=args.cfg),
                                 lambda i: (params, jax.random.key(i), lab, cfg, temp), len(labels), args.warmup,
-                                args.iters)
-  row = dict(**meta, batch=len(labels), adaln_ahead_rows=ahead_rows, encoder_sizes=encoder_sizes, steps=args.steps,
+                                args.iters, xla)
+  row = dict(**meta, batch=len(labels), adaln_ahead_rows=ahead_rows, encoder_sizes=encoder_sizes, xla=xla,
+             steps=args.steps,
              floor_ms=bound['seconds'] * 1e3, bandwidth_gb_s=bandwidth / 1e9, **row)
   if args.profile:
     print_top_device_ops(lambda: jax.block_until_ready(compiled(params, jax.random.key(9), lab, cfg, temp)),
                          args.profile)
   print(f"MAR-{row['size']:5} B={row['batch']:<3} adaLN ahead <= {ahead_rows:3} rows, encoder lengths "
-        f"{encoder_sizes or 'all'}: compile {row['compile_s']:6.1f} s  "
+        f"{encoder_sizes or 'all'}{f' XLA {xla}' if xla else ''}: compile {row['compile_s']:6.1f} s  "
         f"median {row['median_ms']:9.1f} ms  per image {row['per_image_ms']:8.2f} ms  [{row['min_ms']:.1f}, "
         f"{row['max_ms']:.1f}]  {row['median_ms'] / row['floor_ms']:.2f}x the floor {row['floor_ms']:.1f} ms", flush=True)
   return row
@@ -82,6 +85,8 @@ def main():
   ap.add_argument('--encoder_sizes', default='4',
                   help="the encoder's lengths compiled (0: every position at one length, as the sampling flag), one run per value")
   ap.add_argument('--copy_bytes', type=int, default=1 << 31, help='size of the copy that measures HBM bandwidth')
+  ap.add_argument('--xla', default='', help="';'-separated sets of XLA options ('a=1,b=true'), one run per set "
+                  "('' is XLA's defaults)")
   args = compilation_cache.parse_args(ap)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   bandwidth = floors.hbm_bandwidth(args.copy_bytes)
@@ -100,9 +105,10 @@ def main():
     print(f'MAR-{size}: {floors.describe(bound, bandwidth)}', flush=True)
     for batch in [int(b) for b in args.batches.split(',')]:
       labels = np.arange(batch, dtype=np.int32) % mar_cfg.class_num
-      for ahead_rows, sizes in itertools.product([int(r) for r in args.adaln_ahead_rows.split(',')],
-                                                 [int(v) or None for v in args.encoder_sizes.split(',')]):
-        rows.append(time_one(make_sampler, params, labels, ahead_rows, sizes, args, bound, bandwidth, size=size,
+      for ahead_rows, sizes, xla in itertools.product([int(r) for r in args.adaln_ahead_rows.split(',')],
+                                                      [int(v) or None for v in args.encoder_sizes.split(',')],
+                                                      xla_variants(args.xla)):
+        rows.append(time_one(make_sampler, params, labels, ahead_rows, sizes, xla, args, bound, bandwidth, size=size,
                              num_iter=num_iter))
   if args.json:
     with open(args.json, 'w') as f:
