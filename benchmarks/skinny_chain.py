@@ -3,20 +3,23 @@
 (programmatic dependent launch), with and without that head start; one process, Hopper.
 
   python3 benchmarks/skinny_chain.py --rows 8,16,28 --width 1536 --length 48 --matrices 24 \
-    --xla ';xla_gpu_enable_pdl=true' --profile /tmp/skinny
+    --xla ';xla_gpu_enable_pdl=true;xla_gpu_enable_command_buffer=' --profile /tmp/skinny
 
 Each chain: h <- act(h) @ W[i % matrices] for i < length, act alternating identity and SiLU (an
 MLP's two GEMMs), W [width, width] bf16, `matrices` distinct (24 of MAR-H's 4.7 MB: 113 MB, more
 than the L2 holds, so each GEMM reads HBM). XLA's rows are [R, width] rounded to bf16 before each
 GEMM, float32 products; the kernels pass float32 partial sums. Medians of --iters calls after
 --warmup; us per GEMM beside the floor (a matrix's bytes at the bandwidth a device copy reaches in
-the same run), and each chain's relative error against float32. --xla: XLA's chain compiled again
-under each set of options (columns 'XLA <set>'). --profile: one traced call of each chain, its
-kernels' device time beside the host's (a chain bound by its launches shows it there).
+the same run), and each chain's relative error against float32. --xla: every chain compiled again
+under each set of options (XLA's PDL for its own fusions; command buffers off, where the kernels'
+launches reach the stream with their dependent-launch attribute rather than inside a CUDA graph).
+--profile: one traced call of each chain, its kernels' device time and the device's idle gaps (a
+chain bound by its launches shows them).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 
 import jax
@@ -26,7 +29,7 @@ import numpy as np
 import floors
 from pallas_kernels import skinny_dense_mgpu as sk
 from sampling import compilation_cache
-from timing import call_times, print_top_device_ops, settings
+from timing import call_times, print_top_device_ops, xla_variants
 
 ACTS = ('none', 'silu')
 
@@ -63,7 +66,8 @@ def main():
   ap.add_argument('--matrices', type=int, default=24, help='distinct weight matrices, cycled')
   ap.add_argument('--warmup', type=int, default=3)
   ap.add_argument('--iters', type=int, default=15)
-  ap.add_argument('--xla', default='', help="';'-separated sets of XLA options for XLA's chain ('a=1,b=true')")
+  ap.add_argument('--xla', default='', help="';'-separated sets of XLA options ('a=1,b=true'), every chain "
+                  "compiled under each ('' is XLA's defaults)")
   ap.add_argument('--profile', default='', help='trace one call of each chain under this folder')
   args = compilation_cache.parse_args(ap)
   num_sms = jax.devices()[0].core_count
@@ -74,29 +78,27 @@ def main():
   ws = tuple((jax.random.normal(k, (c, c)) / np.sqrt(c)).astype(jnp.bfloat16) for k in keys[1:])
   floor_us = c * c * 2 / bandwidth * 1e6
   print(f'HBM bandwidth {bandwidth / 1e9:.0f} GB/s: a [{c}, {c}] bf16 matrix in {floor_us:.2f} us\n')
-  xla_sets = [settings(v) for v in args.xla.split(';') if v]
-  extra = ''.join(f' XLA {v} |' for v in args.xla.split(';') if v)
-  print(f'| rows | XLA us / GEMM |{extra} kernel, PDL | kernel, no PDL | floor | rel. err XLA / kernel |')
-  print('| ---: ' * (5 + len(xla_sets)) + '| --- |')
-  for r in [int(v) for v in args.rows.split(',')]:
+  print('| rows | XLA options | XLA us / GEMM | kernel, PDL | kernel, no PDL | floor | rel. err XLA / kernel |')
+  print('| ---: | --- | ---: | ---: | ---: | ---: | --- |')
+  chains = {'xla': lambda h, ws: xla_chain(h, ws, args.length),
+            'pdl': lambda h, ws: kernel_chain(h, ws, args.length, num_sms, True),
+            'no_pdl': lambda h, ws: kernel_chain(h, ws, args.length, num_sms, False)}
+  for r, options in itertools.product([int(v) for v in args.rows.split(',')], xla_variants(args.xla)):
     h = jax.random.normal(keys[0], (r, c))
     want = float32_chain(h, ws, args.length)
-    xla = lambda h, ws: xla_chain(h, ws, args.length)
-    chains = [('xla', xla, None)] + [(f'xla{i + 1}', xla, o) for i, o in enumerate(xla_sets)]
-    chains += [('pdl', lambda h, ws: kernel_chain(h, ws, args.length, num_sms, True), None),
-               ('no_pdl', lambda h, ws: kernel_chain(h, ws, args.length, num_sms, False), None)]
     us, errs = {}, {}
-    for name, fn, options in chains:
-      compiled = jax.jit(fn).lower(h, ws).compile(compiler_options=options)
+    for name, fn in chains.items():
+      compiled = jax.jit(fn).lower(h, ws).compile(compiler_options=options or None)
       got = compiled(h, ws)
       errs[name] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
       us[name] = statistics.median(call_times(compiled, lambda i: (h, ws), args.warmup, args.iters)) * 1e6 / args.length
       if args.profile:
-        print(f'  {name}, {r} rows:', flush=True)
-        print_top_device_ops(lambda: jax.block_until_ready(compiled(h, ws)), f'{args.profile}/{name}_{r}', top=8)
-    cols = ' | '.join(f'{us[name]:.2f}' for name, _, _ in chains)
-    print(f"| {r} | {cols} | {floor_us:.2f} | {errs['xla']:.1e} / {errs['pdl']:.1e} |", flush=True)
-
+        print(f'  {name}, {r} rows, XLA options {options}:', flush=True)
+        tag = '_'.join(f'{k}{v}' for k, v in options.items())
+        print_top_device_ops(lambda: jax.block_until_ready(compiled(h, ws)), f'{args.profile}/{name}_{r}{tag}', top=8)
+    times = ' | '.join(f'{us[name]:.2f}' for name in chains)
+    print(f"| {r} | {options or 'defaults'} | {times} | {floor_us:.2f} | {errs['xla']:.1e} / {errs['pdl']:.1e} |",
+          flush=True)
 
 if __name__ == '__main__':
   main()
