@@ -27,6 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 TILE = 64            # output columns per CTA (wgmma's M) and K per weight tile
 MAX_ROWS = 32        # rows a call takes (padded to 16 or 32: wgmma's N)
+SMEM_BYTES = 227 * 1024
 ACTIVATIONS = {'none': lambda h: h, 'silu': lambda h: h / (1.0 + jnp.exp(-h))}
 
 
@@ -51,8 +52,13 @@ def unsupported(p: jax.Array, w: jax.Array, num_sms: int) -> str:
   if w.dtype != jnp.bfloat16 or w.shape[0] != p.shape[1] or w.shape[0] % TILE or w.shape[1] % TILE:
     return (f'the skinny dense kernel takes bfloat16 weights [K, N] with K = {p.shape[1]} and both multiples of '
             f'{TILE}, got {w.dtype}{list(w.shape)}')
-  if not splits_for(*w.shape, num_sms):
+  splits = splits_for(*w.shape, num_sms)
+  if not splits:
     return f'{w.shape[1] // TILE} column blocks need more CTAs than {num_sms} SMs hold at once'
+  smem = w.shape[0] // splits * (TILE + p.shape[2]) * 2
+  if smem > SMEM_BYTES:
+    return (f'a CTA holds its {w.shape[0] // splits} rows of K of the weights and the rows at once: {smem} bytes of '
+            f'shared memory for w {list(w.shape)} in {splits} parts, more than {SMEM_BYTES}')
   return ''
 
 

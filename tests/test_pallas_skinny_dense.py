@@ -42,6 +42,8 @@ def test_what_it_does_not_take_is_named():
     sk.skinny_dense(jnp.zeros((1, 128, 24)), w, num_sms=132)
   with pytest.raises(ValueError, match=r'bfloat16 weights .* got float32\[128, 64\]'):
     sk.skinny_dense(p, w.astype(jnp.float32), num_sms=132)
+  with pytest.raises(ValueError, match=r'3072 rows of K .* 589824 bytes of shared memory for w \[3072, 9216\] in 1'):
+    sk.skinny_dense(jnp.zeros((1, 3072, 32)), jnp.zeros((3072, 9216), jnp.bfloat16), num_sms=144)
   with pytest.raises(ValueError, match="activation must be one of \\['none', 'silu'\\], got 'gelu'"):
     sk.skinny_dense(p, w, activation='gelu', num_sms=132)
 
