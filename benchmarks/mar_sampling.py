@@ -55,8 +55,7 @@ def time_one(make_sampler, params, labels, ahead_rows: int, encoder_sizes, xla: 
                                 lambda i: (params, jax.random.key(i), lab, cfg, temp), len(labels), args.warmup,
                                 args.iters, xla)
   row = dict(**meta, batch=len(labels), adaln_ahead_rows=ahead_rows, encoder_sizes=encoder_sizes, xla=xla,
-             steps=args.steps,
-             floor_ms=bound['seconds'] * 1e3, bandwidth_gb_s=bandwidth / 1e9, **row)
+             steps=args.steps, floor_ms=bound['seconds'] * 1e3, bandwidth_gb_s=bandwidth / 1e9, **row)
   if args.profile:
     print_top_device_ops(lambda: jax.block_until_ready(compiled(params, jax.random.key(9), lab, cfg, temp)),
                          args.profile)
