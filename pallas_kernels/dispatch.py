@@ -31,6 +31,8 @@ def is_hopper() -> bool:
   return bool(cc) and float(cc) >= 9.0
 
 
+# Shared memory a CTA may hold on a Hopper GPU (228 KB an SM, 1 KB of it the driver's).
+HOPPER_SMEM_BYTES = 227 * 1024
 NO_MOSAIC = 'this call has no Mosaic GPU kernel'
 
 

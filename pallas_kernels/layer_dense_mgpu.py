@@ -24,9 +24,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import dispatch
+
 TILE_K = 64
 EPI = 64          # the epilogue stores [EPI, EPI] sub-tiles through two slots per warpgroup
-SMEM_BYTES = 227 * 1024
+SMEM_BYTES = dispatch.HOPPER_SMEM_BYTES
 
 
 def _tiled(dtype) -> tuple:

@@ -25,13 +25,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import dispatch
+
 TILE = 64            # output columns per CTA (wgmma's M) and K per weight tile
 MAX_ROWS = 32        # rows a call takes (padded to 16 or 32: wgmma's N)
-SMEM_BYTES = 227 * 1024
+SMEM_BYTES = dispatch.HOPPER_SMEM_BYTES
 ACTIVATIONS = {'none': lambda h: h, 'silu': lambda h: h / (1.0 + jnp.exp(-h))}
 
 
-def _tiled(rows_padded: int):
+def tiled(rows_padded: int):
   """Shared-memory transforms of bf16 tiles beside a B operand of Rp columns: the B rows' bytes set
   the swizzle both wgmma operands share."""
   return (plgpu.TilingTransform((8, rows_padded)), plgpu.SwizzleTransform(2 * rows_padded))
@@ -62,16 +64,23 @@ def unsupported(p: jax.Array, w: jax.Array, num_sms: int) -> str:
   return ''
 
 
+def head_start(w_ref, k0, n0, w_smem, bars, pdl: bool):
+  """The weights first: w_ref's [64, 64] tiles at rows k0, k0 + 64, ... (as many as w_smem holds) and
+  columns n0 .. n0 + 63 copied into w_smem by TMA, tile j arriving on bars[j]; then (`pdl`) the next
+  kernel is let in and the one ahead waited for, after which the rows may be read."""
+  for j in range(w_smem.shape[0]):
+    plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0 + j * TILE, TILE), pl.ds(n0, TILE)], w_smem.at[j], bars.at[j])
+  if pdl:
+    plgpu.griddepcontrol_launch_dependents()
+    plgpu.griddepcontrol_wait()
+
+
 def _kernel(p_ref, w_ref, o_ref, w_smem, x_smem, bars, *, splits: int, activation: str, pdl: bool):
   k, rp = p_ref.shape[1:]
   tiles = k // splits // TILE
   cta = lax.axis_index('cta')
   n0, k0 = (cta // splits) * TILE, (cta % splits) * (k // splits)
-  for j in range(tiles):   # the weights first: they do not wait for the kernel before
-    plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0 + j * TILE, TILE), pl.ds(n0, TILE)], w_smem.at[j], bars.at[j])
-  if pdl:
-    plgpu.griddepcontrol_launch_dependents()
-    plgpu.griddepcontrol_wait()
+  head_start(w_ref, k0, n0, w_smem, bars, pdl)
   for j in range(tiles):
     rows = [plgpu.load(p_ref.at[t, pl.ds(k0 + j * TILE, TILE), :], (), layout=plgpu.Layout.WGMMA, optimized=False)
             for t in range(p_ref.shape[0])]
@@ -103,8 +112,8 @@ def skinny_dense(p: jax.Array, w: jax.Array, *, activation: str = 'none', num_sm
   return plgpu.kernel(
       functools.partial(_kernel, splits=splits, activation=activation, pdl=pdl),
       out_type=jax.ShapeDtypeStruct((splits, n, rp), jnp.float32),
-      scratch_types=[plgpu.SMEM((tiles, TILE, TILE), w.dtype, transforms=_tiled(rp)),
-                      plgpu.SMEM((tiles, TILE, rp), w.dtype, transforms=_tiled(rp)),
+      scratch_types=[plgpu.SMEM((tiles, TILE, TILE), w.dtype, transforms=tiled(rp)),
+                      plgpu.SMEM((tiles, TILE, rp), w.dtype, transforms=tiled(rp)),
                       plgpu.Barrier(num_barriers=tiles)],
       grid=(n // TILE * splits,), grid_names=('cta',),
       compiler_params=plgpu.CompilerParams(approx_math=True),
