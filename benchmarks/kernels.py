@@ -565,13 +565,27 @@ def bench_column_sums(args, ceil):
 
 
 # -------------------------------------------------------------------------- (g)
+LAYER_DENSE_CONFIG = r'(?:m(\d+):)?(\d+)x(\d+)s(\d+)w(\d+)p(\d+)'   # --layer_dense_configs' entries
+MOSAIC_CONFIG = r'(\d+)x(\d+)s(\d+)p(\d+)'                        # --layer_dense_mosaic_configs'
+
+
+def config_numbers(pattern: str, configs: str, flag: str) -> list[tuple[str, tuple[int, ...]]]:
+  """(entry, its numbers (0 for an absent group)) of each comma-separated entry of `configs`; an entry
+  not of `pattern`'s form is a ValueError naming `flag`."""
+  out = []
+  for cfg in filter(None, configs.split(',')):
+    match = re.fullmatch(pattern, cfg)
+    if not match:
+      raise ValueError(f'{flag}: {cfg!r} is not of the form {pattern}')
+    out.append((cfg, tuple(int(g or 0) for g in match.groups())))
+  return out
+
+
 def layer_dense_tilings(configs: str, k: int, n: int):
   """(row name, layer_dense tiling) of each of --layer_dense_configs ('128x64s4w4p3': block_n x
   block_k, K splits (0: layer_dense's choice), warps, stages; 'm128:' ahead sets the row block) that fits K
   and N."""
-  for cfg in filter(None, configs.split(',')):
-    bm, bn, bk, splits, warps, stages = (int(g or 0) for g in re.fullmatch(
-        r'(?:m(\d+):)?(\d+)x(\d+)s(\d+)w(\d+)p(\d+)', cfg).groups())
+  for cfg, (bm, bn, bk, splits, warps, stages) in config_numbers(LAYER_DENSE_CONFIG, configs, '--layer_dense_configs'):
     if not tiling_error(k, n, bn, bk, splits or 1, bm):   # splits 0: chosen by layer_dense
       yield f'pallas {cfg}', dict(block_m=bm, block_n=bn, block_k=bk, splits=splits, num_warps=warps, num_stages=stages)
 
@@ -579,8 +593,8 @@ def layer_dense_tilings(configs: str, k: int, n: int):
 def mosaic_tilings(configs: str, k: int, n: int):
   """(row name, Mosaic GPU tiling) of each of --layer_dense_mosaic_configs ('64x128s1p4': tile_m x
   tile_n, K splits, stages) that fits K and N."""
-  for cfg in filter(None, configs.split(',')):
-    tiling = layer_dense_mgpu.Tiling(*map(int, re.fullmatch(r'(\d+)x(\d+)s(\d+)p(\d+)', cfg).groups()))
+  for cfg, numbers in config_numbers(MOSAIC_CONFIG, configs, '--layer_dense_mosaic_configs'):
+    tiling = layer_dense_mgpu.Tiling(*numbers)
     if not layer_dense_mgpu.tiling_error(k, n, tiling):
       yield f'mosaic {cfg}', tiling
 
@@ -679,6 +693,11 @@ def main():
   p.add_argument('--bwd_configs', default='',
                  help="extra backward variants for (b), e.g. '32x64w4,64x128w8'")
   args = compilation_cache.parse_args(p)
+  for pattern, flag in ((LAYER_DENSE_CONFIG, 'layer_dense_configs'), (MOSAIC_CONFIG, 'layer_dense_mosaic_configs')):
+    try:
+      config_numbers(pattern, getattr(args, flag), f'--{flag}')
+    except ValueError as e:
+      p.error(str(e))
   print(f'devices: {jax.devices()}; jax {jax.__version__}')
   ceil = ceilings(args.smoke)
   print(f'measured ceilings: copy {ceil["copy_gbs"]:.0f} GB/s (read + write), '
