@@ -1,12 +1,10 @@
 """pallas_kernels: block-sparse cross-scale attention, gathered-key attention, attention column
 sums per query group, top-k selection, top-k token gather/scatter, dense + GELU, a dense layer
-of weights stacked on a layer axis, a skinny GEMM whose weights load before the kernel ahead of
-it ends (`skinny_dense_mgpu`, no sampler takes it yet).
+of weights stacked on a layer axis.
 
 Kernels in Pallas (Triton lowering on NVIDIA GPUs; the block-sparse attention, both
-directions, also in Mosaic GPU on Hopper; dense + GELU and the skinny GEMM in Mosaic GPU only),
-their layouts,
-and the plain-jnp references they fall back to elsewhere. Imports jax only.
+directions, also in Mosaic GPU on Hopper; dense + GELU in Mosaic GPU only), their
+layouts and the plain-jnp references they fall back to elsewhere. Imports jax only.
 NOTES.md beside this file records floors, predictions and measurements.
 """
 from pallas_kernels.column_sums import group_column_sums
