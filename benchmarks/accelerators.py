@@ -29,7 +29,10 @@ exists (so the compiles can overlap other GPU work), each is timed alone: median
 calls after --warmup calls, a fresh key per call, timed on the host after block_until_ready.
 'decoder' is the VQVAE decoder (f_hat -> image) compiled and timed alone at the same batch;
 'no decoder' = the sampler's median - the decoder's (the papers time without it). Peak memory
-is XLA's buffer assignment of the compiled program (weights, temporaries, outputs).
+is XLA's buffer assignment of the compiled program (weights, temporaries, outputs). The MAR and
+E-CAR rows name each sampler's memory floor (`floors.sampler_reads`: LazyMAR's head steps read no
+weights of the blocks they skip and only the adaLN gates of those whose MLP output they reuse) at
+the bandwidth a --copy_bytes copy reaches after the compiles.
 --profile traces one call of each sampler at the first batch and splits its kernels into GEMMs,
 attention (per scale, where one kernel runs per scale and block), convolutions and the rest:
 the baseline's split is every accelerator's ceiling.
@@ -54,6 +57,7 @@ from accel import LazyMAR, policy_from_spec
 from accel.fidelity import peak_bytes
 from accel.lazymar_flops import lazymar_sampling_flops, official_extra
 from accel.timing import compiled_in
+import floors
 from timing import (call_times, device_gap_summary, kernel_class, line_splits, print_top_device_ops, settings,
                     trace_events, xla_variants)
 from var_models.flop_count import flops
@@ -322,7 +326,7 @@ def family_main(args) -> None:
   rows (medians of --iters calls after --warmup)."""
   from sampling import family_from_config, sampling_from_config   # pylint: disable=import-outside-toplevel
   batches = [int(b) for b in args.batches.split(',')]
-  makers, futures, order, xla = {}, [], [], xla_variants(args.xla)
+  makers, reads, futures, order, xla = {}, {}, [], [], xla_variants(args.xla)
   with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
     variants = args.family_overrides.split(';')
     for (label, config, specs), variant in itertools.product(family_configs(args), variants):
@@ -340,22 +344,27 @@ def family_main(args) -> None:
         def arguments(i, sample=sample, labels=labels, family=family, params=params[scan]):
           return sample.arguments(params, jax.random.key(i), labels, **family.opts)
         makers[label, batch, name] = arguments
+        reads[label, batch, name] = floors.sampler_reads(sample, family.params, args.family_dtype)
         futures.append(compile_in(pool, (label, batch, name),
                                   sample.lower(params[scan], jax.random.key(0), labels, **family.opts),
                                   xla[int(name.partition(' xla')[2] or 0)]))
         order.append((label, batch, name))
     compiled = dict(f.result() for f in futures)
   wait_for(args.wait_for)
-  print('\n| model | batch | policy | ms / batch | speed-up | peak MiB | compile s |\n' + '| --- ' * 7 + '|', flush=True)
+  bandwidth = floors.hbm_bandwidth(args.copy_bytes)
+  print(f'\nHBM bandwidth (a {args.copy_bytes / 2**30:g} GiB copy): {bandwidth / 1e9:.0f} GB/s\n'
+        '| model | batch | policy | ms / batch | speed-up | memory floor ms | x floor | peak MiB | compile s |\n'
+        + '| --- ' * 9 + '|', flush=True)
   rows, base_ms = [], {}
   for label, batch, spec in order:
     prog, compile_s = compiled[label, batch, spec]
     ms = time_calls(prog, makers[label, batch, spec], args.warmup, args.iters)
     base = base_ms.setdefault((label, batch), ms)
-    rows.append(dict(model=label, batch=batch, policy=spec, ms=ms, speedup=base / ms,
+    floor_ms = floors.floor(reads[label, batch, spec], bandwidth)['seconds'] * 1e3
+    rows.append(dict(model=label, batch=batch, policy=spec, ms=ms, speedup=base / ms, floor_ms=floor_ms,
                      peak_mib=(peak_bytes(prog) or 0) / 2 ** 20, compile_s=compile_s))
-    print(f"| {label} | {batch} | {spec} | {ms:.1f} | {base / ms:.2f}x | {rows[-1]['peak_mib']:.0f} | {compile_s:.1f} |",
-          flush=True)
+    print(f"| {label} | {batch} | {spec} | {ms:.1f} | {base / ms:.2f}x | {floor_ms:.1f} | {ms / floor_ms:.2f}x | "
+          f"{rows[-1]['peak_mib']:.0f} | {compile_s:.1f} |", flush=True)
     if args.profile and batch == batches[0]:
       print_top_device_ops(lambda: jax.block_until_ready(prog(*makers[label, batch, spec](7))),
                            os.path.join(args.profile, f"{label}_b{batch}_{spec.replace(':', '_')}"))
@@ -392,6 +401,8 @@ def main():
   ap.add_argument('--family_overrides', default='', help="sampling settings of every MAR and E-CAR sampler "
                   "('key=value,...', e.g. 'encoder_sizes=0'); ';'-separated sets compile and time each set's rows")
   ap.add_argument('--family_dtype', default='bfloat16', help='compute dtype of the MAR and E-CAR models')
+  ap.add_argument('--copy_bytes', type=int, default=1 << 31,
+                  help="size of the copy that measures HBM bandwidth (the MAR and E-CAR rows' memory floors)")
   ap.add_argument('--layer_dense_mosaic_rows', type=int, default=layer_dense_module.AUTO_MOSAIC_MIN_ROWS,
                   help="rows from which a scanned block's dense layers run layer_dense's Mosaic GPU kernel "
                   'on Hopper (0: never, the Triton kernel)')

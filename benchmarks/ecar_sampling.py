@@ -28,7 +28,6 @@ import numpy as np
 
 from sampling import compilation_cache
 import ecar
-from ecar.sampler import steps_per_stage
 from configs import ecar as ecar_configs
 import floors
 from timing import print_top_device_ops, time_compiled, xla_variants
@@ -41,16 +40,6 @@ def model_config(variant: str, dtype: str, backend: str):
   c = ecar_configs.get_config(variant)
   c.dtype, c.attn_backend = dtype, backend
   return ecar.ecar_config(c)
-
-
-def weight_reads(cfg, params, vae, steps: int, dtype: str) -> dict:
-  """{network: (bytes per call, calls)} of one sampler call (see `floors.floor`)."""
-  reads = {'AR': (floors.weight_bytes(params['ar'], dtype), cfg.num_stages)}
-  for s, n in enumerate(steps_per_stage(cfg, steps)):
-    reads[f'denoiser {s}'] = (floors.weight_bytes(params[f'denoiser_{s}'], dtype), n)
-  if vae is not None:
-    reads['VAE decoder'] = (floors.weight_bytes((vae['decoder'], vae['post_quant_conv']), dtype), 1)
-  return reads
 
 
 def time_sampler(cfg, params, vae, batch: int, steps: int, guidance: float, warmup: int, iters: int,
@@ -105,7 +94,8 @@ def main():
       print(f"  FLOPs per image: {flops['per_image'] / 1e9:.1f} G "
             f"({flops['per_image_without_decode'] / 1e9:.1f} G without the VAE decoder"
             f"{f'; paper {paper:g} T' if paper else ''}), steps per stage {flops['steps_per_stage']}", flush=True)
-    bound = floors.floor(weight_reads(cfg, params, vae, args.steps, args.dtype), bandwidth)
+    bound = floors.floor(floors.sampler_reads(ecar.make_sampler(cfg, num_steps=args.steps),
+                                              {'ecar': params, 'vae': vae}, args.dtype), bandwidth)
     print(f'  {floors.describe(bound, bandwidth)}', flush=True)
     for batch, ahead_rows, xla in itertools.product([int(b) for b in args.batches.split(',')],
                                                     [int(r) for r in args.adaln_ahead_rows.split(',')],

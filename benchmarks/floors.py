@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ecar.sampler import steps_per_stage
 from timing import call_times
 
 
@@ -29,6 +30,49 @@ def hbm_bandwidth(nbytes: int = 1 << 31, warmup: int = 3, iters: int = 20) -> fl
 def weight_bytes(tree, dtype) -> int:
   """Bytes of every array of `tree` stored in `dtype` (the compute dtype the GEMMs read)."""
   return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tree)) * jnp.dtype(dtype).itemsize
+
+
+def head_step_bytes(head, hooks, dtype) -> int:
+  """Bytes of a DiffLoss head's weights (`head`, its params) that one step reads through a policy's
+  `hooks` (a `HeadHooks`; None: every block): not the blocks in hooks.skipped, and where the step
+  reuses every MLP output (hooks.needs_mlp False) only the adaLN gate columns of the blocks it runs."""
+  blocks = [k for k in head if k.startswith('res_blocks_')]
+  total = weight_bytes({k: v for k, v in head.items() if k not in blocks}, dtype)
+  for name in blocks:
+    if hooks is not None and int(name.rpartition('_')[2]) in hooks.skipped:
+      continue
+    if hooks is None or hooks.needs_mlp:
+      total += weight_bytes(head[name], dtype)
+    else:   # (shift, scale, gate): the gate's third of the adaLN Linear
+      total += weight_bytes(head[name]['adaLN_modulation_1'], dtype) // 3
+  return total
+
+
+def sampler_reads(sample, params, dtype) -> dict:
+  """{network: (bytes per call, calls)} of one call of `sample`, policy included: a MAR sampler
+  (`make_mar_sampler`) on params {'mar', 'vae'} or an E-CAR sampler (`ecar.make_sampler`) on
+  {'ecar', 'vae'} (vae None: no decoder). MAR: the encoder and decoder once an iteration (a
+  policy's cached iterations still run every block), the diffusion head once a step as each
+  iteration's head cache runs it (its mean bytes a step, `head_step_bytes`), the KL-16 decoder
+  once. E-CAR: the AR once a stage, a stage's denoiser once an Euler step, the VAE decoder once."""
+  vae, reads = params['vae'], {}
+  if 'mar' in params:
+    mar, steps = params['mar'], sample.diffusion.num_timesteps
+    loop = lambda cache: [None] * steps if cache is None else [cache.hooks(k) for k in cache.kinds(steps)]
+    head = sum(head_step_bytes(mar['diffloss'], hooks, dtype) for cache in sample.head_caches for hooks in loop(cache))
+    calls = len(sample.head_caches) * steps
+    reads['encoder + decoder'] = (weight_bytes({k: v for k, v in mar.items() if k != 'diffloss'}, dtype),
+                                  len(sample.head_caches))
+    reads['diffusion head'] = (head // calls, calls)
+    name = 'KL-16 decoder'
+  else:
+    reads['AR'] = (weight_bytes(params['ecar']['ar'], dtype), sample.cfg.num_stages)
+    for s, n in enumerate(steps_per_stage(sample.cfg, sample.steps)):
+      reads[f'denoiser {s}'] = (weight_bytes(params['ecar'][f'denoiser_{s}'], dtype), n)
+    name = 'VAE decoder'
+  if vae is not None:
+    reads[name] = (weight_bytes((vae['decoder'], vae['post_quant_conv']), dtype), 1)
+  return reads
 
 
 def floor(reads: Mapping[str, tuple[int, int]], bandwidth: float) -> dict:

@@ -33,16 +33,6 @@ from var_models.mar.sampler import make_mar_sampler
 from var_models.nn import blocks
 
 
-def weight_reads(params, num_iter: int, steps: int, dtype: str) -> dict:
-  """{network: (bytes per call, calls)} of one sampler call (see `floors.floor`)."""
-  mar = params['mar']
-  transformer = {k: v for k, v in mar.items() if k != 'diffloss'}
-  vae = params['vae']
-  return {'encoder + decoder': (floors.weight_bytes(transformer, dtype), num_iter),
-          'diffusion head': (floors.weight_bytes(mar['diffloss'], dtype), num_iter * steps),
-          'KL-16 decoder': (floors.weight_bytes((vae['decoder'], vae['post_quant_conv']), dtype), 1)}
-
-
 def time_one(make_sampler, params, labels, ahead_rows: int, encoder_sizes, xla: dict, args, bound, bandwidth,
              **meta) -> dict:
   """Compiles (with XLA options `xla`) and times a new sampler's call on `labels` [B], the head's
@@ -100,7 +90,7 @@ def main():
     num_iter = min(args.num_iter, mar_cfg.seq_len)
     make_sampler = lambda sizes: make_mar_sampler(mar_cfg, vae_cfg, num_iter=num_iter, guided=args.cfg != 1.0,
                                                   num_diffusion_steps=args.steps, encoder_sizes=sizes)
-    bound = floors.floor(weight_reads(params, num_iter, args.steps, args.dtype), bandwidth)
+    bound = floors.floor(floors.sampler_reads(make_sampler(None), params, args.dtype), bandwidth)
     print(f'MAR-{size}: {floors.describe(bound, bandwidth)}', flush=True)
     for batch in [int(b) for b in args.batches.split(',')]:
       labels = np.arange(batch, dtype=np.int32) % mar_cfg.class_num

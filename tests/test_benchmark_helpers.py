@@ -1,9 +1,21 @@
 """The benchmarks' helpers: command-line settings ('a=1,b=true', ';'-separated sets of XLA options),
-the device's idle gaps in a trace, and what an optimised program's loop bodies run."""
+the device's idle gaps in a trace, what an optimised program's loop bodies run, and the weights a
+sampler reads (its memory floor)."""
+import dataclasses
 import pathlib
 import sys
 
+import jax
+
+import ecar
+from accel import LazyMAR
+from var_models.mar.from_config import init_mar_params
+from var_models.mar.sampler import make_mar_sampler
+from test_ecar_model import CFG as ECAR_CFG
+from test_mar_sampler import MAR_CFG, VAE_CFG
+
 sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / 'benchmarks'))
+import floors   # noqa: E402  pylint: disable=wrong-import-position
 from timing import device_gaps, host_events_under, settings, xla_variants   # noqa: E402  pylint: disable=wrong-import-position
 from hlo_loops import loops   # noqa: E402  pylint: disable=wrong-import-position
 
@@ -62,3 +74,31 @@ def test_hlo_loops_counts_a_scanned_bodys_copies_gemms_and_rows():
   assert row['copies, weight-sized'] == 1 and row['copies, small'] == 1
   assert (row['Triton GEMMs'], row['cuBLAS'], row['reductions'], row['kernels']) == (1, 1, 1, 3)
   assert row['rows'] == 64
+
+
+def test_mar_floor_reads_the_whole_head_every_step_and_lazymar_what_its_steps_run():
+  cfg = dataclasses.replace(MAR_CFG, decoder_depth=2)
+  params = jax.eval_shape(lambda k: init_mar_params(cfg, VAE_CFG, k), jax.random.key(0))
+  head, nbytes = params['mar']['diffloss'], lambda tree: floors.weight_bytes(tree, 'bfloat16')
+  make = lambda policy=None: make_mar_sampler(cfg, VAE_CFG, num_iter=4, num_diffusion_steps=5, policy=policy)
+  base = floors.sampler_reads(make(), params, 'bfloat16')
+  assert base['encoder + decoder'] == (nbytes(params['mar']) - nbytes(head), 4)
+  assert base['diffusion head'] == (nbytes(head), 20)
+  policy = LazyMAR(ratios=(1.0,) * 4, similarity_block=0, head_interval=2, head_warm=0.5, head_skip=(1,))
+  lazy = floors.sampler_reads(make(policy), params, 'bfloat16')
+  # t = 4 .. 0: full (the first), recompute (t > 2.5: block 1's delta replayed), full (t % 2 == 0), cached
+  # (block 1 replayed, block 0's MLP output reused: its adaLN gates alone), full
+  block = [nbytes(head[f'res_blocks_{i}']) for i in range(2)]
+  gate0 = nbytes(head['res_blocks_0']['adaLN_modulation_1']) // 3
+  loop = 3 * nbytes(head) + (nbytes(head) - block[1]) + (nbytes(head) - block[0] - block[1] + gate0)
+  assert lazy['diffusion head'] == (4 * loop // 20, 20)
+  assert lazy['encoder + decoder'] == base['encoder + decoder'] and lazy['KL-16 decoder'] == base['KL-16 decoder']
+
+
+def test_ecar_floor_reads_the_ar_once_a_stage_and_each_denoiser_once_a_step():
+  params = jax.eval_shape(lambda k: ecar.init_params(ECAR_CFG, k), jax.random.key(0))
+  reads = floors.sampler_reads(ecar.make_sampler(ECAR_CFG, num_steps=(2, 3, 4)), {'ecar': params, 'vae': None},
+                               'float32')
+  nbytes = lambda tree: floors.weight_bytes(tree, 'float32')
+  assert reads == {'AR': (nbytes(params['ar']), 3), **{f'denoiser {s}': (nbytes(params[f'denoiser_{s}']), n)
+                                                       for s, n in enumerate((2, 3, 4))}}
