@@ -1,6 +1,8 @@
 """The memory floor of a sampler: the weight bytes it must read from HBM, over the bandwidth a
 device-to-device copy reaches in the same run.
 
+  python3 benchmarks/floors.py --repeats 5 --pause 2   # the copy's spread, beside a read-only stream
+
 At batch 1 a denoiser step's few rows make every GEMM a pass over its weights, so a sampler cannot
 be faster than reading each network's weights (in the compute dtype) once per call of that network.
 Activations (a handful of tokens per row) and KV caches are left out: at batch 1 they are under 1 %
@@ -8,7 +10,9 @@ of the weights of the workloads here, and at batch 16 the floor is the same weig
 """
 from __future__ import annotations
 
+import argparse
 import statistics
+import time
 from typing import Mapping
 
 import jax
@@ -25,6 +29,14 @@ def hbm_bandwidth(nbytes: int = 1 << 31, warmup: int = 3, iters: int = 20) -> fl
   x = jnp.zeros((nbytes // 4,), jnp.uint32)
   compiled = jax.jit(lambda a: a + 1).lower(x).compile()
   return 2 * nbytes / statistics.median(call_times(compiled, lambda i: (x,), warmup, iters))
+
+
+def read_bandwidth(nbytes: int = 1 << 31, warmup: int = 3, iters: int = 20) -> float:
+  """Bytes per second a read-only stream reaches: the sum of nbytes of uint32 (what a skinny GEMM
+  does with its weights); median of `iters` calls after `warmup`."""
+  x = jnp.ones((nbytes // 4,), jnp.uint32)
+  compiled = jax.jit(lambda a: jnp.sum(a, dtype=jnp.uint32)).lower(x).compile()
+  return nbytes / statistics.median(call_times(compiled, lambda i: (x,), warmup, iters))
 
 
 def weight_bytes(tree, dtype) -> int:
@@ -87,3 +99,21 @@ def describe(f: dict, bandwidth: float) -> str:
   parts = ', '.join(f'{name} {b / 1e6:.0f} MB x {n}' for name, (b, n) in f['reads'].items())
   return (f"memory floor {f['seconds'] * 1e3:.2f} ms ({f['bytes'] / 1e9:.2f} GB at "
           f"{bandwidth / 1e9:.0f} GB/s: {parts})")
+
+
+def main():
+  ap = argparse.ArgumentParser(description="the copy's bandwidth measured again and again in one process, "
+                               'beside a read-only stream')
+  ap.add_argument('--copy_bytes', type=int, default=1 << 31)
+  ap.add_argument('--repeats', type=int, default=5)
+  ap.add_argument('--pause', type=float, default=2.0, help='seconds idle between repeats')
+  args = ap.parse_args()
+  print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
+  for i in range(args.repeats):
+    copy, read = hbm_bandwidth(args.copy_bytes), read_bandwidth(args.copy_bytes)
+    print(f'{i}: copy {copy / 1e9:.0f} GB/s, read-only {read / 1e9:.0f} GB/s', flush=True)
+    time.sleep(args.pause)
+
+
+if __name__ == '__main__':
+  main()
