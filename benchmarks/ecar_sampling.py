@@ -66,7 +66,7 @@ def main():
   ap.add_argument('--steps', type=int, default=250, help='Euler steps in all, split over the stages')
   ap.add_argument('--cfg', type=float, default=1.5)
   ap.add_argument('--dtype', default='bfloat16')
-  ap.add_argument('--backend', default='cudnn')
+  ap.add_argument('--backend', default='cudnn', help="attention backends ('cudnn,xla'), one run per value")
   ap.add_argument('--warmup', type=int, default=3)
   ap.add_argument('--iters', type=int, default=10)
   ap.add_argument('--no_flops', action='store_true', help='skip the FLOP count (one more compile per variant)')
@@ -83,7 +83,8 @@ def main():
   print(f'HBM bandwidth (a {args.copy_bytes / 2**30:g} GiB copy): {bandwidth / 1e9:.0f} GB/s', flush=True)
   rows = []
   for variant in args.variants.split(','):
-    cfg = model_config(variant, args.dtype, args.backend)
+    backends = args.backend.split(',')
+    cfg = model_config(variant, args.dtype, backends[0])
     params = ecar.init_params(cfg, jax.random.key(0))
     vae = ecar.init_vae_params(cfg, jax.random.key(1))
     print(f'E-CAR-{variant}: {ecar.param_count(params) / 1e6:.1f}M params, stages {cfg.stage_sizes}, '
@@ -97,16 +98,16 @@ def main():
     bound = floors.floor(floors.sampler_reads(ecar.make_sampler(cfg, num_steps=args.steps),
                                               {'ecar': params, 'vae': vae}, args.dtype), bandwidth)
     print(f'  {floors.describe(bound, bandwidth)}', flush=True)
-    for batch, ahead_rows, xla in itertools.product([int(b) for b in args.batches.split(',')],
-                                                    [int(r) for r in args.adaln_ahead_rows.split(',')],
-                                                    xla_variants(args.xla)):
-      r = time_sampler(cfg, params, vae, batch, args.steps, args.cfg, args.warmup, args.iters, ahead_rows, xla,
-                       args.profile)
-      r.update(variant=variant, batch=batch, steps=args.steps, dtype=args.dtype, backend=args.backend,
+    for batch, backend, ahead_rows, xla in itertools.product([int(b) for b in args.batches.split(',')], backends,
+                                                             [int(r) for r in args.adaln_ahead_rows.split(',')],
+                                                             xla_variants(args.xla)):
+      r = time_sampler(model_config(variant, args.dtype, backend), params, vae, batch, args.steps, args.cfg,
+                       args.warmup, args.iters, ahead_rows, xla, args.profile)
+      r.update(variant=variant, batch=batch, steps=args.steps, dtype=args.dtype, backend=backend,
                adaln_ahead_rows=ahead_rows, xla=xla, tflops_per_image=None if not flops else flops['per_image'] / 1e12,
                floor_ms=bound['seconds'] * 1e3, bandwidth_gb_s=bandwidth / 1e9)
       rows.append(r)
-      print(f"  B={batch:<3} adaLN ahead <= {ahead_rows:3} rows{f' XLA {xla}' if xla else ''}: compile {r['compile_s']:6.1f} s  median {r['median_ms']:9.2f} ms  "
+      print(f"  B={batch:<3} {backend} attention, adaLN ahead <= {ahead_rows:3} rows{f' XLA {xla}' if xla else ''}: compile {r['compile_s']:6.1f} s  median {r['median_ms']:9.2f} ms  "
             f"per image {r['per_image_ms']:8.2f} ms  (min {r['min_ms']:.2f}, max {r['max_ms']:.2f})  "
             f"{r['median_ms'] / r['floor_ms']:.2f}x the floor {r['floor_ms']:.2f} ms", flush=True)
   if args.json:
