@@ -73,7 +73,8 @@ def main():
   ap.add_argument('--json', default=None, help='also write the rows here')
   ap.add_argument('--profile', default='', help='trace one call per shape into this folder; print the top kernels')
   ap.add_argument('--adaln_ahead_rows', default=str(blocks.ADALN_AHEAD_MAX_ROWS),
-                  help="rows up to which a stage's adaLN outputs are computed before its loop (0: never), one run per value")
+                  help="rows up to which a stage's adaLN outputs are computed before its loop (0: never), "
+                  'one run per value')
   ap.add_argument('--xla', default='', help="';'-separated sets of XLA options ('a=1,b=true'), one run per set "
                   "('' is XLA's defaults)")
   ap.add_argument('--copy_bytes', type=int, default=1 << 31, help='size of the copy that measures HBM bandwidth')
@@ -107,7 +108,8 @@ def main():
                adaln_ahead_rows=ahead_rows, xla=xla, tflops_per_image=None if not flops else flops['per_image'] / 1e12,
                floor_ms=bound['seconds'] * 1e3, bandwidth_gb_s=bandwidth / 1e9)
       rows.append(r)
-      print(f"  B={batch:<3} {backend} attention, adaLN ahead <= {ahead_rows:3} rows{f' XLA {xla}' if xla else ''}: compile {r['compile_s']:6.1f} s  median {r['median_ms']:9.2f} ms  "
+      print(f"  B={batch:<3} {backend} attention, adaLN ahead <= {ahead_rows:3} rows{f' XLA {xla}' if xla else ''}: "
+            f"compile {r['compile_s']:6.1f} s  median {r['median_ms']:9.2f} ms  "
             f"per image {r['per_image_ms']:8.2f} ms  (min {r['min_ms']:.2f}, max {r['max_ms']:.2f})  "
             f"{r['median_ms'] / r['floor_ms']:.2f}x the floor {r['floor_ms']:.2f} ms", flush=True)
   if args.json:

@@ -52,7 +52,8 @@ def time_one(make_sampler, params, labels, ahead_rows: int, encoder_sizes, xla: 
   print(f"MAR-{row['size']:5} B={row['batch']:<3} adaLN ahead <= {ahead_rows:3} rows, encoder lengths "
         f"{encoder_sizes or 'all'}{f' XLA {xla}' if xla else ''}: compile {row['compile_s']:6.1f} s  "
         f"median {row['median_ms']:9.1f} ms  per image {row['per_image_ms']:8.2f} ms  [{row['min_ms']:.1f}, "
-        f"{row['max_ms']:.1f}]  {row['median_ms'] / row['floor_ms']:.2f}x the floor {row['floor_ms']:.1f} ms", flush=True)
+        f"{row['max_ms']:.1f}]  {row['median_ms'] / row['floor_ms']:.2f}x the floor {row['floor_ms']:.1f} ms",
+        flush=True)
   return row
 
 
@@ -70,9 +71,11 @@ def main():
   ap.add_argument('--json', default=None)
   ap.add_argument('--profile', default='', help='trace one call into this folder; print the top kernels')
   ap.add_argument('--adaln_ahead_rows', default=str(blocks.ADALN_AHEAD_MAX_ROWS),
-                  help="rows up to which the head's adaLN outputs are computed before its loop (0: never), one run per value")
+                  help="rows up to which the head's adaLN outputs are computed before its loop (0: never), "
+                  'one run per value')
   ap.add_argument('--encoder_sizes', default='4',
-                  help="the encoder's lengths compiled (0: every position at one length, as the sampling flag), one run per value")
+                  help="the encoder's lengths compiled (0: every position at one length, as the sampling flag), "
+                  'one run per value')
   ap.add_argument('--copy_bytes', type=int, default=1 << 31, help='size of the copy that measures HBM bandwidth')
   ap.add_argument('--xla', default='', help="';'-separated sets of XLA options ('a=1,b=true'), one run per set "
                   "('' is XLA's defaults)")
