@@ -82,9 +82,8 @@ def main():
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   bandwidth = floors.hbm_bandwidth(args.copy_bytes)
   print(f'HBM bandwidth (a {args.copy_bytes / 2**30:g} GiB copy): {bandwidth / 1e9:.0f} GB/s', flush=True)
-  rows = []
+  rows, backends = [], args.backend.split(',')
   for variant in args.variants.split(','):
-    backends = args.backend.split(',')
     cfg = model_config(variant, args.dtype, backends[0])
     params = ecar.init_params(cfg, jax.random.key(0))
     vae = ecar.init_vae_params(cfg, jax.random.key(1))

@@ -23,20 +23,23 @@ from ecar.sampler import steps_per_stage
 from timing import call_times
 
 
+def _stream_rate(fn, x, nbytes: int, warmup: int, iters: int) -> float:
+  """nbytes over the median seconds of `iters` calls fn(x) after `warmup` (compiled apart)."""
+  compiled = jax.jit(fn).lower(x).compile()
+  return nbytes / statistics.median(call_times(compiled, lambda i: (x,), warmup, iters))
+
+
 def hbm_bandwidth(nbytes: int = 1 << 31, warmup: int = 3, iters: int = 20) -> float:
   """Bytes per second a device-to-device copy reaches: x + 1 over nbytes of uint32 reads and
   writes each byte once; median of `iters` calls after `warmup`."""
-  x = jnp.zeros((nbytes // 4,), jnp.uint32)
-  compiled = jax.jit(lambda a: a + 1).lower(x).compile()
-  return 2 * nbytes / statistics.median(call_times(compiled, lambda i: (x,), warmup, iters))
+  return _stream_rate(lambda a: a + 1, jnp.zeros((nbytes // 4,), jnp.uint32), 2 * nbytes, warmup, iters)
 
 
 def read_bandwidth(nbytes: int = 1 << 31, warmup: int = 3, iters: int = 20) -> float:
   """Bytes per second a read-only stream reaches: the sum of nbytes of uint32 (what a skinny GEMM
   does with its weights); median of `iters` calls after `warmup`."""
-  x = jnp.ones((nbytes // 4,), jnp.uint32)
-  compiled = jax.jit(lambda a: jnp.sum(a, dtype=jnp.uint32)).lower(x).compile()
-  return nbytes / statistics.median(call_times(compiled, lambda i: (x,), warmup, iters))
+  return _stream_rate(lambda a: jnp.sum(a, dtype=jnp.uint32), jnp.ones((nbytes // 4,), jnp.uint32), nbytes,
+                      warmup, iters)
 
 
 def weight_bytes(tree, dtype) -> int:
