@@ -63,6 +63,7 @@ from timing import (call_times, device_gap_summary, kernel_class, line_splits, p
 from var_models.flop_count import flops
 from var_models.mar import model as mar_model
 from var_models.mar.flops import sampling_flops
+from var_models.nn.init import compiled_init
 from var_models.tokenizers.autoencoder_kl import KL16
 from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig
 from var_models.var.from_config import init_var_params
@@ -115,12 +116,11 @@ def build(model: str, attn: str, policies: str):
 
 
 def _init_params(var_cfg: VARConfig, vq_cfg: VQVAEConfig):
-  """Random parameters, the VAR's in bf16, made by one compiled program (drawn leaf by leaf, the
-  2B shape's take minutes)."""
+  """Random parameters, the VAR's in bf16, made by one compiled program (`compiled_init`)."""
   def init(key):
     params = init_var_params(var_cfg, vq_cfg, key)
     return {**params, 'var': jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), params['var'])}
-  return jax.jit(init)(jax.random.key(0))
+  return compiled_init(init, jax.random.key(0))
 
 
 # --scan -> the suffixes of the sampler names it times ('@scan': blocks scanned).

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from ecar.config import ECARConfig
+from var_models.nn.init import compiled_init
 from var_models.tokenizers.autoencoder_kl import AutoencoderKL, sample_posterior
 
 Array = jax.Array
@@ -44,8 +45,9 @@ def decode(cfg: ECARConfig, vae_params: Any, x0: Array) -> Array:
 
 
 def init_vae_params(cfg: ECARConfig, key: Array) -> Any:
-  """Random VAE params (None in pixel space); real ones come from `python -m var_models.convert sdxl-vae`."""
+  """Random VAE params (None in pixel space), compiled as one program (`init.compiled_init`); real ones
+  come from `python -m var_models.convert sdxl-vae`."""
   if cfg.latent_space == 'pixel':
     return None
   img = jnp.zeros((1, cfg.vae.downsample, cfg.vae.downsample, 3), jnp.float32)
-  return AutoencoderKL(cfg.vae).init(key, img, key)['params']
+  return compiled_init(lambda k: AutoencoderKL(cfg.vae).init(k, img, k)['params'], key)

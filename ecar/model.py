@@ -47,6 +47,7 @@ from ecar.flow import up2
 from ecar.layers import DiTBlock, FinalLayer, patchify, unpatchify
 from var_models.nn import attention as attn_lib
 from var_models.nn import tokens as tok
+from var_models.nn.init import compiled_init
 from var_models.nn.blocks import BlockHooks, merged_dense, merged_modulations, split_modulations
 from var_models.nn.scan import cache_runs, scan_blocks, scan_runs, stack_of, through_runs
 from var_models.nn.timestep import TimestepEmbedder
@@ -272,8 +273,8 @@ def dummy_inputs(cfg: ECARConfig, batch: int = 1):
 
 def init_params(cfg: ECARConfig, key: Array):
   """Random params {'ar', 'denoiser_0', ...} (ViT/DiT initialisation; adaLN and outputs zero).
-  Compiled: op-by-op initialisation of a transformer is slow on a CPU."""
-  return jax.jit(lambda k: ECAR(cfg).init({'params': k}, *dummy_inputs(cfg))['params'])(key)
+  Compiled as one program (`init.compiled_init`)."""
+  return compiled_init(lambda k: ECAR(cfg).init({'params': k}, *dummy_inputs(cfg))['params'], key)
 
 
 def param_count(params) -> int:

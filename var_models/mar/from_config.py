@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from var_models import checkpoint
 from var_models.mar import model as mar_lib
 from var_models.nn import checks
+from var_models.nn.init import compiled_init
 from var_models.tokenizers.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
 
 
@@ -31,12 +32,12 @@ def mar_configs(config) -> tuple[mar_lib.MARConfig, AutoencoderKLConfig]:
 
 
 def init_mar_params(mar_cfg: mar_lib.MARConfig, vae_cfg: AutoencoderKLConfig, key) -> dict:
-  """Random {'mar', 'vae'} params (official init), compiled as one program (see `init_var_params`)."""
+  """Random {'mar', 'vae'} params (official init), compiled as one program (`init.compiled_init`)."""
   def init(key):
     k1, k2, k3 = jax.random.split(key, 3)
     img = jnp.zeros((1, mar_cfg.img_size, mar_cfg.img_size, 3), jnp.float32)
     return {'mar': mar_lib.init_params(mar_cfg, k1), 'vae': AutoencoderKL(vae_cfg).init(k2, img, k3)['params']}
-  return jax.jit(init)(key)
+  return compiled_init(init, key)
 
 
 def load_mar_params(mar_cfg: mar_lib.MARConfig, vae_cfg: AutoencoderKLConfig, directory: str) -> dict:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from var_models.mar.diffloss import DiffLossConfig, SimpleMLPAdaLN, diffloss_loss, init_diffloss
 from var_models.nn import attention as attn_lib
 from var_models.nn import tokens as tok
+from var_models.nn.init import compiled_init
 from var_models.nn.scan import hooks_group, scan_runs, stack_of, through_runs
 from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
 
@@ -342,7 +343,7 @@ def loss_fn(model: MAR, params, latents: Array, labels: Array, key: Array, *, tr
 
 def init_params(cfg: MARConfig, key: Array):
   """Random parameters with the official initialisation (DiffLoss's own included), compiled as
-  one program."""
+  one program (`init.compiled_init`)."""
   tokens = jnp.zeros((1, cfg.seq_len, cfg.token_embed_dim), jnp.float32)
   mask = jnp.zeros((1, cfg.seq_len), bool)
 
@@ -350,4 +351,4 @@ def init_params(cfg: MARConfig, key: Array):
   # init need not trace the loss: a much smaller program to compile.
   def forward(model: MAR):
     return model.decode(model.encode(tokens, mask, model.class_embedding(jnp.zeros((1,), jnp.int32))), mask)
-  return jax.jit(lambda k: MAR(cfg).init(k, method=forward)['params'])(key)
+  return compiled_init(lambda k: MAR(cfg).init(k, method=forward)['params'], key)

@@ -1,7 +1,8 @@
 """Layers every model shares: the attention entry point and KV cache, AdaLN/FFN blocks and the
 `BlockHooks` policies plug into, the sampling-policy protocol (`Policy`, `Binding`, `Halves`),
-the ViT block, DiT's timestep embedding, PyTorch-exact resampling, token gather/scatter, and the
-checks every family runs on its config and labels. Imports `pallas_kernels` only.
+the ViT block, DiT's timestep embedding, PyTorch-exact resampling, token gather/scatter, the
+checks every family runs on its config and labels, and random parameters compiled as one program
+(`init.compiled_init`). Imports `pallas_kernels` only.
 """
 from var_models.nn import attention
 from var_models.nn.attention import KVCache, LayerKVCaches, ScaleCausal, TokenMask, register_backend

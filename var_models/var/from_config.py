@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from var_models import checkpoint
 from var_models.nn import checks
+from var_models.nn.init import compiled_init
 from var_models.tokenizers.vqvae import VQVAE, VQVAEConfig
 from var_models.var.model import VARConfig, init_params
 
@@ -50,13 +51,13 @@ def var_configs(config) -> tuple[VARConfig, VQVAEConfig]:
 
 
 def init_var_params(var_cfg: VARConfig, vq_cfg: VQVAEConfig, key) -> dict:
-  """Random {'var', 'vqvae'} params (official init for VAR), compiled as one program (op by op,
-  the initialisers of a transformer and a conv VAE are hundreds of small compiles)."""
+  """Random {'var', 'vqvae'} params (official init for VAR), compiled as one program
+  (`init.compiled_init`)."""
   def init(key):
     k1, k2 = jax.random.split(key)
     img = jnp.zeros((1, vq_cfg.image_size, vq_cfg.image_size, 3), jnp.float32)
     return {'var': init_params(var_cfg, k1), 'vqvae': VQVAE(vq_cfg).init(k2, img)['params']}
-  return jax.jit(init)(key)
+  return compiled_init(init, key)
 
 
 def load_var_params(var_cfg: VARConfig, vq_cfg: VQVAEConfig, directory: Optional[str]) -> dict:

@@ -18,6 +18,7 @@ import numpy as np
 from var_models.nn import attention as attn_lib
 from var_models.nn import tokens as tok
 from var_models.nn.blocks import AdaLNBeforeHead, AdaLNSelfAttn, BlockHooks, scaled, trunc_normal
+from var_models.nn.init import compiled_init
 from var_models.nn.scan import cache_runs, scan_blocks
 from var_models.var.schedules import ScaleSchedule, VAR_256
 
@@ -264,9 +265,8 @@ def param_count(params) -> int:
 
 
 def init_params(cfg: VARConfig, key: Array):
-  """Random parameters with the official initialisation. Compiled: op by op, the initialisers of
-  a transformer are hundreds of small compiles."""
+  """Random parameters with the official initialisation (`init.compiled_init`)."""
   sched = cfg.schedule
   labels = jnp.zeros((1,), jnp.int32)
   x_tf = jnp.zeros((1, sched.L - sched.first_l, cfg.cvae), jnp.float32)
-  return jax.jit(lambda k: VAR(cfg).init({'params': k}, labels, x_tf)['params'])(key)
+  return compiled_init(lambda k: VAR(cfg).init({'params': k}, labels, x_tf)['params'], key)
