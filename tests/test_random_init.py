@@ -3,8 +3,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+from train import mesh as mesh_lib
+from train.state import sharded_init
 from var_models.nn.init import compiled_init, threefry_kernels
 
 KERNEL = 'cu_threefry2x32_ffi'
@@ -44,3 +47,16 @@ def test_compiled_init_draws_the_parameters_of_a_plain_jit():
   for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(plain)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert np.abs(np.asarray(ours['layers_0']['kernel'])).max() > 0
+
+
+def test_a_train_state_whole_on_every_device_is_drawn_with_threefry_kernels():
+  seen = []
+
+  def init_fn(key):
+    seen.append(jax.config.jax_threefry_gpu_kernel_lowering)
+    return {'w': jax.random.normal(key, (8, 4))}, {}
+  mesh = mesh_lib.make_mesh(1, 1, jax.devices()[:1])
+  state, _ = sharded_init(init_fn, optax.adam(1e-3), mesh, seed=0)
+  assert seen == [False, True]   # the shapes outside the block (abstract_state), the draw inside
+  assert not jax.config.jax_threefry_gpu_kernel_lowering
+  assert np.abs(np.asarray(state.params['w'])).max() > 0

@@ -1,6 +1,7 @@
 """The train state: everything a resumed run needs besides the data position."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import flax.struct
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from train.mesh import state_shardings
+from var_models.nn.init import threefry_kernels
 
 
 @flax.struct.dataclass
@@ -45,7 +47,12 @@ def abstract_state(init_fn, tx: optax.GradientTransformation, mesh, seed: int):
 
 
 def sharded_init(init_fn, tx: optax.GradientTransformation, mesh, seed: int):
-  """(the initial state, created already split over `mesh`, and its shardings)."""
+  """(the initial state, created already split over `mesh`, and its shardings). A state whole on
+  every device (no FSDP) is drawn with threefry kernels (`init.threefry_kernels`: the same bits, a
+  GPU compiles it in seconds instead of minutes); a state split over FSDP keeps XLA's threefry
+  rounds, which the partitioner splits too (it would draw a kernel's whole output on every device)."""
   _, shardings = abstract_state(init_fn, tx, mesh, seed)
-  state = jax.jit(lambda k: init_state(init_fn, tx, k), out_shardings=shardings)(jax.random.key(seed))
+  init = jax.jit(lambda k: init_state(init_fn, tx, k), out_shardings=shardings)
+  with threefry_kernels() if mesh.shape['fsdp'] == 1 else contextlib.nullcontext():
+    state = init(jax.random.key(seed))
   return state, shardings

@@ -7,8 +7,9 @@ bits (benchmarks/random_init.py; benchmarks/RESULTS.md, "random parameters in se
 `compiled_init` compiles an initialiser that way; a CPU lowers threefry as a loop either way. The
 samplers keep the rounds, which fuse into their steps' kernels (kernels there: up to 1.4x slower).
 
-Only programs of one device take it: XLA's SPMD partitioner does not split a custom kernel and
-would draw a sharded tree whole on every device, so `train.state.sharded_init` keeps XLA's rounds.
+Only programs whose draws are whole on every device take it (one device, or a replicated train
+state: `train.state.sharded_init`): XLA's SPMD partitioner does not split a custom kernel, and
+would draw a tree split over FSDP whole on every device.
 """
 from __future__ import annotations
 
