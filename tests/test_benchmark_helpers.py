@@ -1,6 +1,6 @@
 """The benchmarks' helpers: command-line settings ('a=1,b=true', ';'-separated sets of XLA options),
-the device's idle gaps in a trace, what an optimised program's loop bodies run, and the weights a
-sampler reads (its memory floor)."""
+the device's idle gaps in a trace, what an optimised program's loop bodies run, the weights a
+sampler reads (its memory floor), and XLA's compile timers summarised."""
 import dataclasses
 import pathlib
 import sys
@@ -18,6 +18,7 @@ sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / 'benchmarks
 import floors   # noqa: E402  pylint: disable=wrong-import-position
 from timing import device_gaps, host_events_under, settings, xla_variants   # noqa: E402  pylint: disable=wrong-import-position
 from hlo_loops import loops   # noqa: E402  pylint: disable=wrong-import-position
+from compile_passes import programs, summarise   # noqa: E402  pylint: disable=wrong-import-position
 
 # A scanned block's body as XLA's GPU dump writes it (abridged): a layer's weights and a LayerNorm
 # scale sliced out of their stacks as asynchronous copies, a Triton GEMM, a split-K cuBLAS GEMM and
@@ -102,3 +103,28 @@ def test_ecar_floor_reads_the_ar_once_a_stage_and_each_denoiser_once_a_step():
   nbytes = lambda tree: floors.weight_bytes(tree, 'float32')
   assert reads == {'AR': (nbytes(params['ar']), 3), **{f'denoiser {s}': (nbytes(params[f'denoiser_{s}']), n)
                                                        for s, n in enumerate((2, 3, 4))}}
+
+
+# XLA's timer lines as jax 0.11.2 logs them (abridged prefixes), two programs of one name.
+_TIMERS = [
+    'I1129 14:54:19.0 886 hlo_pass_pipeline.cc:176] HLO pass: priority-fusion time: 1.5 s (1500000 us) '
+    '(cumulative: 9 s, max: 2 s, #called: 40)\n',
+    'I1129 14:54:19.0 886 hlo_pass_pipeline.cc:176] HLO pass: cse time: 2 ms (2000 us) (cumulative: 9 s, '
+    'max: 2 s, #called: 41)\n',
+    'I1129 14:54:19.0 886 gpu_compiler.cc:2345] GpuCompiler::RunHloPasses for jit__sample time: 30.7 s '
+    '(30731364 us) (cumulative: 2.23 min, max: 1.72 min, #called: 5)\n',
+    'I1129 14:54:27.4 886 gpu_compiler.cc:3017] GpuCompiler::RunBackend for jit__sample time: 8.41 s '
+    '(8413591 us) (cumulative: 26.3 s, max: 17.4 s, #called: 5)\n',
+    'I1129 14:55:17.7 886 hlo_pass_pipeline.cc:176] HLO pass: priority-fusion time: 500 ms (500000 us) '
+    '(cumulative: 12 s, max: 2 s, #called: 42)\n',
+    'I1129 14:55:17.7 886 gpu_compiler.cc:2345] GpuCompiler::RunHloPasses for jit__sample time: 1.72 min '
+    '(102920905 us) (cumulative: 3 min, max: 1.72 min, #called: 6)\n',
+    'I1129 14:55:33.3 886 gpu_compiler.cc:3017] GpuCompiler::RunBackend for jit__sample time: 15.6 s '
+    '(15604812 us) (cumulative: 41.9 s, max: 17.4 s, #called: 6)\n',
+]
+
+
+def test_compile_passes_sums_each_pass_own_times_and_pairs_each_programs_halves():
+  passes, halves = summarise(_TIMERS)
+  assert passes == {'priority-fusion': (2.0, 2), 'cse': (0.002, 1)}
+  assert programs(halves) == [['jit__sample', 30.7, 8.41], ['jit__sample', 1.72 * 60, 15.6]]
