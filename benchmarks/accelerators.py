@@ -31,8 +31,9 @@ calls after --warmup calls, a fresh key per call, timed on the host after block_
 'no decoder' = the sampler's median - the decoder's (the papers time without it). Peak memory
 is XLA's buffer assignment of the compiled program (weights, temporaries, outputs). The MAR and
 E-CAR rows name each sampler's memory floor (`floors.sampler_reads`: LazyMAR's head steps read no
-weights of the blocks they skip and only the adaLN gates of those whose MLP output they reuse) at
-the bandwidth a --copy_bytes copy reaches after the compiles.
+weights of the blocks they skip and only the adaLN gates of those whose MLP output they reuse) and
+traffic floor (the weights the program at that batch reads: those its loops use alike at every
+step, once a loop) at the bandwidth a --copy_bytes copy reaches after the compiles.
 --profile traces one call of each sampler at the first batch and splits its kernels into GEMMs,
 attention (per scale, where one kernel runs per scale and block), convolutions and the rest:
 the baseline's split is every accelerator's ceiling.
@@ -344,7 +345,8 @@ def family_main(args) -> None:
         def arguments(i, sample=sample, labels=labels, family=family, params=params[scan]):
           return sample.arguments(params, jax.random.key(i), labels, **family.opts)
         makers[label, batch, name] = arguments
-        reads[label, batch, name] = floors.sampler_reads(sample, family.params, args.family_dtype)
+        reads[label, batch, name] = tuple(floors.sampler_reads(sample, family.params, args.family_dtype, b)
+                                          for b in (None, batch))
         futures.append(compile_in(pool, (label, batch, name),
                                   sample.lower(params[scan], jax.random.key(0), labels, **family.opts),
                                   xla[int(name.partition(' xla')[2] or 0)]))
@@ -353,18 +355,18 @@ def family_main(args) -> None:
   wait_for(args.wait_for)
   bandwidth = floors.hbm_bandwidth(args.copy_bytes)
   print(f'\nHBM bandwidth (a {args.copy_bytes / 2**30:g} GiB copy): {bandwidth / 1e9:.0f} GB/s\n'
-        '| model | batch | policy | ms / batch | speed-up | memory floor ms | x floor | peak MiB | compile s |\n'
-        + '| --- ' * 9 + '|', flush=True)
+        '| model | batch | policy | ms / batch | speed-up | memory floor ms | x floor | traffic floor ms | x traffic '
+        '| peak MiB | compile s |\n' + '| --- ' * 11 + '|', flush=True)
   rows, base_ms = [], {}
   for label, batch, spec in order:
     prog, compile_s = compiled[label, batch, spec]
     ms = time_calls(prog, makers[label, batch, spec], args.warmup, args.iters)
     base = base_ms.setdefault((label, batch), ms)
-    floor_ms = floors.floor(reads[label, batch, spec], bandwidth)['seconds'] * 1e3
+    floor_ms, traffic_ms = (floors.floor(r, bandwidth)['seconds'] * 1e3 for r in reads[label, batch, spec])
     rows.append(dict(model=label, batch=batch, policy=spec, ms=ms, speedup=base / ms, floor_ms=floor_ms,
-                     peak_mib=(peak_bytes(prog) or 0) / 2 ** 20, compile_s=compile_s))
+                     traffic_floor_ms=traffic_ms, peak_mib=(peak_bytes(prog) or 0) / 2 ** 20, compile_s=compile_s))
     print(f"| {label} | {batch} | {spec} | {ms:.1f} | {base / ms:.2f}x | {floor_ms:.1f} | {ms / floor_ms:.2f}x | "
-          f"{rows[-1]['peak_mib']:.0f} | {compile_s:.1f} |", flush=True)
+          f"{traffic_ms:.1f} | {ms / traffic_ms:.2f}x | {rows[-1]['peak_mib']:.0f} | {compile_s:.1f} |", flush=True)
     if args.profile and batch == batches[0]:
       print_top_device_ops(lambda: jax.block_until_ready(prog(*makers[label, batch, spec](7))),
                            os.path.join(args.profile, f"{label}_b{batch}_{spec.replace(':', '_')}"))

@@ -12,7 +12,9 @@ matmul FLOPs counted on the sampler's jaxpr (`ecar.sampling_flops`), with and
 without the VAE decoder, beside the paper's Table 2 (1T / 3.2T / 5.8T for S / B / L, which
 leaves the decoder out: configs/ecar.py). Beside every time: the memory floor (`floors.py`): the
 AR's weights read once per stage, each stage's denoiser once per Euler step, the VAE decoder once,
-in the compute dtype, at the HBM bandwidth a copy reaches in the same run. `--adaln_ahead_rows 128,0`
+in the compute dtype, at the HBM bandwidth a copy reaches in the same run; and the traffic floor,
+the weights the program at that batch reads (a denoiser's condition projection, and its adaLN
+Linears where its adaLN outputs come ahead, once a stage). `--adaln_ahead_rows 128,0`
 compiles each sampler twice, side by side: each stage's adaLN outputs of every Euler step computed
 before its loop where the stage's denoiser runs on up to 128 rows (`blocks.ADALN_AHEAD_MAX_ROWS`),
 and at every step.
@@ -45,7 +47,8 @@ def model_config(variant: str, dtype: str, backend: str):
 def time_sampler(cfg, params, vae, batch: int, steps: int, guidance: float, warmup: int, iters: int,
                  ahead_rows: int, xla: dict, profile: str = '') -> dict:
   """Compiles (with XLA options `xla`) and times a new sampler (each traces once), the adaLN
-  outputs computed ahead up to ahead_rows rows."""
+  outputs computed ahead up to ahead_rows rows; the row holds the bytes its program reads
+  ('traffic_bytes', `floors.sampler_reads` at the batch)."""
   blocks.ADALN_AHEAD_MAX_ROWS = ahead_rows   # read when the sampler is traced
   sample = ecar.make_sampler(cfg, num_steps=steps)
   labels = np.arange(batch, dtype=np.int32) % cfg.num_classes
@@ -56,7 +59,7 @@ def time_sampler(cfg, params, vae, batch: int, steps: int, guidance: float, warm
   if profile:
     print_top_device_ops(lambda: jax.block_until_ready(
         compiled(*sample.arguments(both, jax.random.key(7), labels, cfg=guidance))), profile)
-  return row
+  return dict(row, traffic_bytes=floors.floor(floors.sampler_reads(sample, both, cfg.dtype, batch), 1.0)['bytes'])
 
 
 def main():
@@ -105,12 +108,15 @@ def main():
                        args.warmup, args.iters, ahead_rows, xla, args.profile)
       r.update(variant=variant, batch=batch, steps=args.steps, dtype=args.dtype, backend=backend,
                adaln_ahead_rows=ahead_rows, xla=xla, tflops_per_image=None if not flops else flops['per_image'] / 1e12,
-               floor_ms=bound['seconds'] * 1e3, bandwidth_gb_s=bandwidth / 1e9)
+               floor_ms=bound['seconds'] * 1e3, traffic_floor_ms=r['traffic_bytes'] / bandwidth * 1e3,
+               bandwidth_gb_s=bandwidth / 1e9)
       rows.append(r)
       print(f"  B={batch:<3} {backend} attention, adaLN ahead <= {ahead_rows:3} rows{f' XLA {xla}' if xla else ''}: "
             f"compile {r['compile_s']:6.1f} s  median {r['median_ms']:9.2f} ms  "
             f"per image {r['per_image_ms']:8.2f} ms  (min {r['min_ms']:.2f}, max {r['max_ms']:.2f})  "
-            f"{r['median_ms'] / r['floor_ms']:.2f}x the floor {r['floor_ms']:.2f} ms", flush=True)
+            f"{r['median_ms'] / r['floor_ms']:.2f}x the floor {r['floor_ms']:.2f} ms, "
+            f"{r['median_ms'] / r['traffic_floor_ms']:.2f}x the traffic floor {r['traffic_floor_ms']:.2f} ms",
+            flush=True)
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(rows, f, indent=2)

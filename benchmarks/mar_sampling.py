@@ -7,7 +7,9 @@ KL-16 decoder included. Compile time apart; medians over --iters calls after
 --warmup calls, each with a fresh key. `--sizes tiny` runs on a CPU. Beside every time: the
 memory floor (`floors.py`): the encoder and decoder weights read once per iteration, the
 diffusion head's once per diffusion step of every iteration, the KL-16 decoder once, in the
-compute dtype, at the HBM bandwidth a copy reaches in the same run. `--adaln_ahead_rows 128,0`
+compute dtype, at the HBM bandwidth a copy reaches in the same run; and the traffic floor, the
+weights the program at that batch reads (the head's adaLN Linears once an iteration where its
+adaLN outputs come ahead). `--adaln_ahead_rows 128,0`
 compiles each sampler twice, side by side: the diffusion head's adaLN outputs of every step
 computed before its loop up to 128 rows (`blocks.ADALN_AHEAD_MAX_ROWS`), and at every step;
 `--encoder_sizes 4,0` likewise: the encoder on the known positions at up to 4 lengths, and on
@@ -41,18 +43,21 @@ def time_one(make_sampler, params, labels, ahead_rows: int, encoder_sizes, xla: 
   lab, cfg, temp = jnp.asarray(labels), jnp.float32(args.cfg), jnp.float32(1.0)
   blocks.ADALN_AHEAD_MAX_ROWS = ahead_rows   # read when the sampler is traced
   sample = make_sampler(encoder_sizes)
+  traffic = floors.floor(floors.sampler_reads(sample, params, args.dtype, batch=len(labels)), bandwidth)
   compiled, row = time_compiled(sample.lower(params, jax.random.key(0), labels, cfg=args.cfg),
                                 lambda i: (params, jax.random.key(i), lab, cfg, temp), len(labels), args.warmup,
                                 args.iters, xla)
   row = dict(**meta, batch=len(labels), adaln_ahead_rows=ahead_rows, encoder_sizes=encoder_sizes, xla=xla,
-             steps=args.steps, floor_ms=bound['seconds'] * 1e3, bandwidth_gb_s=bandwidth / 1e9, **row)
+             steps=args.steps, floor_ms=bound['seconds'] * 1e3, traffic_floor_ms=traffic['seconds'] * 1e3,
+             bandwidth_gb_s=bandwidth / 1e9, **row)
   if args.profile:
     print_top_device_ops(lambda: jax.block_until_ready(compiled(params, jax.random.key(9), lab, cfg, temp)),
                          args.profile)
   print(f"MAR-{row['size']:5} B={row['batch']:<3} adaLN ahead <= {ahead_rows:3} rows, encoder lengths "
         f"{encoder_sizes or 'all'}{f' XLA {xla}' if xla else ''}: compile {row['compile_s']:6.1f} s  "
         f"median {row['median_ms']:9.1f} ms  per image {row['per_image_ms']:8.2f} ms  [{row['min_ms']:.1f}, "
-        f"{row['max_ms']:.1f}]  {row['median_ms'] / row['floor_ms']:.2f}x the floor {row['floor_ms']:.1f} ms",
+        f"{row['max_ms']:.1f}]  {row['median_ms'] / row['floor_ms']:.2f}x the floor {row['floor_ms']:.1f} ms, "
+        f"{row['median_ms'] / row['traffic_floor_ms']:.2f}x the traffic floor {row['traffic_floor_ms']:.1f} ms",
         flush=True)
   return row
 

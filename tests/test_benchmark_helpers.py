@@ -11,6 +11,7 @@ import ecar
 from accel import LazyMAR
 from var_models.mar.from_config import init_mar_params
 from var_models.mar.sampler import make_mar_sampler
+from var_models.nn import blocks
 from test_ecar_model import CFG as ECAR_CFG
 from test_mar_sampler import MAR_CFG, VAE_CFG
 
@@ -104,6 +105,46 @@ def test_ecar_floor_reads_the_ar_once_a_stage_and_each_denoiser_once_a_step():
   assert reads == {'AR': (nbytes(params['ar']), 3), **{f'denoiser {s}': (nbytes(params[f'denoiser_{s}']), n)
                                                        for s, n in enumerate((2, 3, 4))}}
 
+
+
+def test_mar_traffic_reads_the_heads_adaln_once_a_loop_where_it_comes_ahead():
+  cfg = dataclasses.replace(MAR_CFG, decoder_depth=2)
+  params = jax.eval_shape(lambda k: init_mar_params(cfg, VAE_CFG, k), jax.random.key(0))
+  head, nbytes = params['mar']['diffloss'], lambda tree: floors.weight_bytes(tree, 'bfloat16')
+  sample = make_mar_sampler(cfg, VAE_CFG, num_iter=4, num_diffusion_steps=5)
+  adaln = nbytes([head['time_embed'], head['cond_embed'], head['final_layer']['adaLN_modulation_1']]
+                 + [head[f'res_blocks_{i}']['adaLN_modulation_1'] for i in range(2)])
+  small = floors.sampler_reads(sample, params, 'bfloat16', batch=1)
+  assert small['diffusion head'] == (nbytes(head) - adaln, 20)
+  assert small['diffusion head adaLN, ahead'] == (adaln, 4)
+  assert small['encoder + decoder'] == floors.sampler_reads(sample, params, 'bfloat16')['encoder + decoder']
+  policy = LazyMAR(ratios=(1.0,) * 4, similarity_block=0, head_interval=2, head_warm=0.5, head_skip=(1,))
+  lazy = floors.sampler_reads(make_mar_sampler(cfg, VAE_CFG, num_iter=4, num_diffusion_steps=5, policy=policy),
+                              params, 'bfloat16', batch=1)
+  # the step kinds of the issue-count test above: full x 3, recompute (block 1 replayed), cached (block 1
+  # replayed, block 0's gates alone); each kind's adaLN outputs come ahead, once a loop
+  own = [nbytes(head[f'res_blocks_{i}']['adaLN_modulation_1']) for i in range(2)]
+  rest = [nbytes(head[f'res_blocks_{i}']) - own[i] for i in range(2)]
+  full = nbytes(head) - adaln
+  assert lazy['diffusion head'] == (4 * (3 * full + (full - rest[1]) + (full - rest[0] - rest[1])) // 20, 20)
+  assert lazy['diffusion head adaLN, ahead'] == (adaln + (adaln - own[1]) + (adaln - own[1] - own[0] + own[0] // 3), 4)
+  rows = 2 * sample.schedule.mask.max_pred   # a batch whose rows pass the limit computes adaLN every step
+  big = floors.sampler_reads(sample, params, 'bfloat16', batch=blocks.ADALN_AHEAD_MAX_ROWS // rows + 1)
+  assert big == floors.sampler_reads(sample, params, 'bfloat16')
+
+
+def test_ecar_traffic_reads_the_condition_and_adaln_once_a_stage():
+  params = jax.eval_shape(lambda k: ecar.init_params(ECAR_CFG, k), jax.random.key(0))
+  reads = floors.sampler_reads(ecar.make_sampler(ECAR_CFG, num_steps=(2, 3, 4)), {'ecar': params, 'vae': None},
+                               'float32', batch=1)
+  nbytes = lambda tree: floors.weight_bytes(tree, 'float32')
+  for s, n in enumerate((2, 3, 4)):
+    den = params[f'denoiser_{s}']
+    once = nbytes([den['cond_proj'], den['t_embed'], den['final']['adaLN_modulation']]
+                  + [den[k]['adaLN_modulation'] for k in den if k.startswith('blocks_')])
+    assert reads[f'denoiser {s}'] == (nbytes(den) - once, n)
+    assert reads[f'denoiser {s} once a stage'] == (once, 1)
+  assert reads['AR'] == (nbytes(params['ar']), 3)
 
 # XLA's timer lines as jax 0.11.2 logs them (abridged prefixes), two programs of one name.
 _TIMERS = [
