@@ -87,9 +87,9 @@ def denoiser_reads(den, dtype) -> tuple[int, int, int]:
 
 
 def _mar_reads(sample, mar, dtype, batch) -> dict:
-  """`sampler_reads` of a MAR sampler: the head's loops step by step, each step kind's rows
-  (B x the iteration's padded token count, x 2 where the step runs both CFG halves) deciding whether
-  its adaLN outputs come ahead (`blocks.adaln_ahead_pays`)."""
+  """`sampler_reads` of a MAR sampler: the head's loops step by step, each step kind's rows (B x the
+  most tokens an iteration predicts, to which every iteration pads, x 2 where the step runs both CFG
+  halves) deciding whether its adaLN outputs come ahead (`blocks.adaln_ahead_pays`)."""
   steps, rows = sample.diffusion.num_timesteps, None if batch is None else batch * sample.schedule.mask.max_pred
   step_bytes = ahead_bytes = 0
   for cache in sample.head_caches:
