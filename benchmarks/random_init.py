@@ -7,7 +7,7 @@ the two draw the same bits.
 
 A model is FAMILY:VARIANT of configs/FAMILY.py. Its initialiser is what `sampling`'s loaders call
 without a checkpoint ({'var', 'vqvae'}, {'mar', 'vae'}, {'ecar', 'vae'}), jitted whole: outside
-`threefry_kernels` it lowers XLA's rounds (as `train.state.sharded_init` does), inside it the
+`threefry_kernels` it lowers XLA's rounds (as a train state split over FSDP is drawn), inside it the
 kernels. Each program is compiled and called twice; the time of the second call is its run time.
 """
 from __future__ import annotations

@@ -47,8 +47,8 @@ from ecar.flow import up2
 from ecar.layers import DiTBlock, FinalLayer, patchify, unpatchify
 from var_models.nn import attention as attn_lib
 from var_models.nn import tokens as tok
-from var_models.nn.init import compiled_init
 from var_models.nn.blocks import BlockHooks, merged_dense, merged_modulations, split_modulations
+from var_models.nn.init import compiled_init
 from var_models.nn.scan import cache_runs, scan_blocks, scan_runs, stack_of, through_runs
 from var_models.nn.timestep import TimestepEmbedder
 from var_models.nn.vit import Block, torch_layer_norm, xavier_uniform
