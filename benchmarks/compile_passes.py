@@ -20,13 +20,13 @@ import re
 import subprocess
 import sys
 
-_UNITS = {'us': 1e-6, 'ms': 1e-3, 's': 1.0, 'min': 60.0, 'h': 3600.0}
-# "HLO pass: NAME time: 1.2 s (1234 us) (cumulative: ...)": the cumulative figure is of every pass
-# (one timer in the pipeline's loop), so a pass's own times are summed.
+# Each timer line gives its time rounded in a unit of its choice, then exactly in microseconds, which
+# is what is read: "HLO pass: NAME time: 1.2 s (1234 us) (cumulative: ...)" (the cumulative figure is
+# of every pass, one timer in the pipeline's loop, so a pass's own times are summed) and
+# "GpuCompiler::RunHloPasses for jit__sample time: 45.8 s (45814517 us) (cumulative: ...)".
 _PASS = re.compile(r'HLO pass: (\S+) time: [\d.]+ \S+ \((\d+) us\)')
+_HALF = re.compile(r'GpuCompiler::(RunHloPasses|RunBackend) for (\S+) time: [\d.]+ \S+ \((\d+) us\)')
 _GLOG = re.compile(r'^[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\] ')
-# "GpuCompiler::RunHloPasses for jit__sample time: 45.8 s (45814517 us) (cumulative: ...)"
-_HALF = re.compile(r'GpuCompiler::(RunHloPasses|RunBackend) for (\S+) time: ([\d.]+) (us|ms|s|min|h) ')
 
 
 def summarise(lines) -> tuple[dict, list]:
@@ -35,9 +35,9 @@ def summarise(lines) -> tuple[dict, list]:
   for line in lines:
     if m := _PASS.search(line):
       seconds, calls = passes.get(m[1], (0.0, 0))
-      passes[m[1]] = (seconds + int(m[2]) * 1e-6, calls + 1)
+      passes[m[1]] = (seconds + int(m[2]) / 1e6, calls + 1)
     elif m := _HALF.search(line):
-      halves.append((m[1], m[2], float(m[3]) * _UNITS[m[4]]))
+      halves.append((m[1], m[2], int(m[3]) / 1e6))
   return passes, halves
 
 

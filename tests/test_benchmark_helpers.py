@@ -78,18 +78,25 @@ def test_hlo_loops_counts_a_scanned_bodys_copies_gemms_and_rows():
   assert row['rows'] == 64
 
 
+_FLOOR_CFG = dataclasses.replace(MAR_CFG, decoder_depth=2)
+# A head cache over 5 steps, t = 4 .. 0: full (the first), recompute (t > 2.5: block 1's delta replayed),
+# full (t % 2 == 0), cached (block 1 replayed, block 0's MLP output reused: its adaLN gates alone), full.
+_FLOOR_POLICY = LazyMAR(ratios=(1.0,) * 4, similarity_block=0, head_interval=2, head_warm=0.5, head_skip=(1,))
+
+
+def _floor_sampler(policy=None):
+  """A MAR sampler of 4 iterations and 5 head steps on `_FLOOR_CFG`, and its shape-only parameters."""
+  params = jax.eval_shape(lambda k: init_mar_params(_FLOOR_CFG, VAE_CFG, k), jax.random.key(0))
+  return make_mar_sampler(_FLOOR_CFG, VAE_CFG, num_iter=4, num_diffusion_steps=5, policy=policy), params
+
+
 def test_mar_floor_reads_the_whole_head_every_step_and_lazymar_what_its_steps_run():
-  cfg = dataclasses.replace(MAR_CFG, decoder_depth=2)
-  params = jax.eval_shape(lambda k: init_mar_params(cfg, VAE_CFG, k), jax.random.key(0))
+  sample, params = _floor_sampler()
   head, nbytes = params['mar']['diffloss'], lambda tree: floors.weight_bytes(tree, 'bfloat16')
-  make = lambda policy=None: make_mar_sampler(cfg, VAE_CFG, num_iter=4, num_diffusion_steps=5, policy=policy)
-  base = floors.sampler_reads(make(), params, 'bfloat16')
+  base = floors.sampler_reads(sample, params, 'bfloat16')
   assert base['encoder + decoder'] == (nbytes(params['mar']) - nbytes(head), 4)
   assert base['diffusion head'] == (nbytes(head), 20)
-  policy = LazyMAR(ratios=(1.0,) * 4, similarity_block=0, head_interval=2, head_warm=0.5, head_skip=(1,))
-  lazy = floors.sampler_reads(make(policy), params, 'bfloat16')
-  # t = 4 .. 0: full (the first), recompute (t > 2.5: block 1's delta replayed), full (t % 2 == 0), cached
-  # (block 1 replayed, block 0's MLP output reused: its adaLN gates alone), full
+  lazy = floors.sampler_reads(_floor_sampler(_FLOOR_POLICY)[0], params, 'bfloat16')
   block = [nbytes(head[f'res_blocks_{i}']) for i in range(2)]
   gate0 = nbytes(head['res_blocks_0']['adaLN_modulation_1']) // 3
   loop = 3 * nbytes(head) + (nbytes(head) - block[1]) + (nbytes(head) - block[0] - block[1] + gate0)
@@ -106,23 +113,17 @@ def test_ecar_floor_reads_the_ar_once_a_stage_and_each_denoiser_once_a_step():
                                                        for s, n in enumerate((2, 3, 4))}}
 
 
-
 def test_mar_traffic_reads_the_heads_adaln_once_a_loop_where_it_comes_ahead():
-  cfg = dataclasses.replace(MAR_CFG, decoder_depth=2)
-  params = jax.eval_shape(lambda k: init_mar_params(cfg, VAE_CFG, k), jax.random.key(0))
+  sample, params = _floor_sampler()
   head, nbytes = params['mar']['diffloss'], lambda tree: floors.weight_bytes(tree, 'bfloat16')
-  sample = make_mar_sampler(cfg, VAE_CFG, num_iter=4, num_diffusion_steps=5)
   adaln = nbytes([head['time_embed'], head['cond_embed'], head['final_layer']['adaLN_modulation_1']]
                  + [head[f'res_blocks_{i}']['adaLN_modulation_1'] for i in range(2)])
   small = floors.sampler_reads(sample, params, 'bfloat16', batch=1)
   assert small['diffusion head'] == (nbytes(head) - adaln, 20)
   assert small['diffusion head adaLN, ahead'] == (adaln, 4)
   assert small['encoder + decoder'] == floors.sampler_reads(sample, params, 'bfloat16')['encoder + decoder']
-  policy = LazyMAR(ratios=(1.0,) * 4, similarity_block=0, head_interval=2, head_warm=0.5, head_skip=(1,))
-  lazy = floors.sampler_reads(make_mar_sampler(cfg, VAE_CFG, num_iter=4, num_diffusion_steps=5, policy=policy),
-                              params, 'bfloat16', batch=1)
-  # the step kinds of the issue-count test above: full x 3, recompute (block 1 replayed), cached (block 1
-  # replayed, block 0's gates alone); each kind's adaLN outputs come ahead, once a loop
+  lazy = floors.sampler_reads(_floor_sampler(_FLOOR_POLICY)[0], params, 'bfloat16', batch=1)
+  # _FLOOR_POLICY's step kinds: full x 3, recompute, cached; each kind's adaLN outputs come ahead, once a loop
   own = [nbytes(head[f'res_blocks_{i}']['adaLN_modulation_1']) for i in range(2)]
   rest = [nbytes(head[f'res_blocks_{i}']) - own[i] for i in range(2)]
   full = nbytes(head) - adaln
@@ -168,4 +169,4 @@ _TIMERS = [
 def test_compile_passes_sums_each_pass_own_times_and_pairs_each_programs_halves():
   passes, halves = summarise(_TIMERS)
   assert passes == {'priority-fusion': (2.0, 2), 'cse': (0.002, 1)}
-  assert programs(halves) == [['jit__sample', 30.7, 8.41], ['jit__sample', 1.72 * 60, 15.6]]
+  assert programs(halves) == [['jit__sample', 30731364e-6, 8413591e-6], ['jit__sample', 102920905e-6, 15604812e-6]]
