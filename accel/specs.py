@@ -1,10 +1,16 @@
-"""Policies named on a command line: 'METHOD:PRESET', several joined by '+' (composed, VAR only).
+"""Policies named on a command line: 'METHOD:PRESET', a preset's settings changed by '[field=value]'
+(one each, a Python literal), several policies joined by '+' (composed, VAR only).
 
     policy_from_spec('fastvar:infinity_2b')              # FastVAR.preset('infinity_2b')
     policy_from_spec('lazymar:official', family='mar')   # LazyMAR.preset('official')
+    policy_from_spec('lazymar:official[decoder_sizes=2]', family='mar')   # ... with decoder_sizes=2
     policy_from_spec('baseline', family='ecar')          # the unaccelerated E-CAR sampler
 """
 from __future__ import annotations
+
+import ast
+import dataclasses
+import re
 
 from accel.compose import compose
 from accel.ecar_caches import ECARConditionCache
@@ -33,7 +39,29 @@ def _one(spec: str, family: str):
   owner, cls = METHODS[method]
   if owner != family:
     raise ValueError(f'policy {spec!r} accelerates {owner.upper()} samplers, not a {family!r} config')
-  return cls.preset(preset)
+  name, _, rest = preset.partition('[')
+  policy = cls.preset(name)
+  if not rest:
+    return policy
+  return dataclasses.replace(policy, **_settings(spec, cls, '[' + rest),
+                             source=f"{preset}: {policy.source.partition(': ')[2]}")
+
+
+def _settings(spec: str, cls, text: str) -> dict:
+  """'[field=value][field=value]...' -> {field: value} of the dataclass cls's fields."""
+  pairs = re.findall(r'\[(\w+)=([^\]]*)\]', text)
+  if ''.join(f'[{k}={v}]' for k, v in pairs) != text:
+    raise ValueError(f"policy {spec!r}: settings must be '[field=value]' each, got {text!r}")
+  fields = {f.name for f in dataclasses.fields(cls) if f.init and f.compare and f.name != 'source'}
+  out = {}
+  for field, value in pairs:
+    if field not in fields:
+      raise ValueError(f'policy {spec!r}: {cls.__name__} has no setting {field!r}; known: {sorted(fields)}')
+    try:
+      out[field] = ast.literal_eval(value)
+    except (ValueError, SyntaxError) as e:
+      raise ValueError(f'policy {spec!r}: {field}={value!r} is not a Python literal') from e
+  return out
 
 
 def policy_from_spec(spec: str, family: str = 'var'):

@@ -1,4 +1,5 @@
 """accel.compose: the composite runs each policy on its own state; plans and selections combine or fail."""
+import dataclasses
 import re
 
 import jax
@@ -88,3 +89,16 @@ def test_specs_name_presets_and_compose_with_plus():
     policy_from_spec('nosuchmethod:x')
   with pytest.raises(ValueError, match="unknown FastVAR preset 'x'"):
     policy_from_spec('fastvar:x')
+
+
+def test_spec_settings_in_brackets_change_the_preset_and_are_checked():
+  got = policy_from_spec('fastvar:infinity_2b[cache_at=3][blocks=(2, 5)]')
+  want = FastVAR.preset('infinity_2b')
+  assert got == dataclasses.replace(want, cache_at=3, blocks=(2, 5), source='infinity_2b[cache_at=3][blocks=(2, 5)]: '
+                                    + want.source.partition(': ')[2])
+  with pytest.raises(ValueError, match="FastVAR has no setting 'nope'; known: .*'ratios'"):
+    policy_from_spec('fastvar:infinity_2b[nope=1]')
+  with pytest.raises(ValueError, match="cache_at='x' is not a Python literal"):
+    policy_from_spec('fastvar:infinity_2b[cache_at=x]')
+  with pytest.raises(ValueError, match=r"settings must be '\[field=value\]' each"):
+    policy_from_spec('fastvar:infinity_2b[cache_at=3')
