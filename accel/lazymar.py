@@ -36,11 +36,10 @@ iterations: exactly the official schedule).
 
 Shapes are static: every count follows from the iteration schedule. A cached plan's tag is
 the kept count padded to the largest one among the iterations of its ratio, and those sizes
-merged into at most `decoder_sizes` (`merge_sizes`: the fewest padded rows; MAR-H at 64
-iterations has 7 sizes), each one compiled decoder in the iteration loop, after the one encoder
-part every cached iteration shares (`encoder_plan`); padding rows and the padded predicted
-positions carry the out-of-range index L (gathered as NaN rows, dropped when scattered), so they
-change the work, not the outputs.
+merged into at most `decoder_sizes` (`merge_sizes`: the fewest padded rows), each one compiled
+body of the iteration loop (MAR-H at 64 iterations has 7 sizes; 4 keep its compile under 30 s,
+benchmarks/RESULTS.md); padding rows and the padded predicted positions carry the out-of-range
+index L (gathered as NaN rows, dropped when scattered), so they change the work, not the outputs.
 """
 from __future__ import annotations
 
@@ -381,10 +380,6 @@ class LazyMAR(Presets, MARPolicy):
                  IterPlan(uncond=not self.condition, tag=('cached', b.bucket[s] if self.decoder else None),
                           every_position=self.encoder)
                  for s in range(num_iter))
-
-  def encoder_plan(self, plan: IterPlan) -> IterPlan:
-    """Cached iterations differ only in the decoder's kept count: one encoder part serves them all."""
-    return plan if plan.tag in (None, 'full') else dataclasses.replace(plan, tag='cached')
 
   def init_state(self, batch: int) -> dict:
     """Caches of the rows cached iterations run (B with the condition cache, else 2B)."""

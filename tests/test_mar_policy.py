@@ -59,27 +59,6 @@ def test_neutral_hooks_segmented_plans_and_threaded_state_equal_the_baseline(par
   np.testing.assert_array_equal(sample(params, jax.random.key(3), LABELS, **OPTS)[1]['tokens'], baseline_tokens)
 
 
-class _SharedEncoderNeutral(_SegmentedNeutral):
-  """Tags 1 and 2 share one encoder part: `begin` and the encoder's hooks see it, the decoder's the plan."""
-
-  def encoder_plan(self, plan):
-    return plan if plan.tag == 0 else IterPlan(tag='shared')
-
-  def begin(self, plan, info, state):
-    assert plan.tag in (0, 'shared')
-    return super().begin(plan, info, state)
-
-  def block_hooks(self, site, depth):
-    assert site.plan.tag in ((0, 'shared') if site.stack == 'encoder' else (0, 1, 2))
-    return [BlockHooks() for _ in range(depth)]
-
-
-def test_plans_sharing_an_encoder_part_branch_after_it_and_equal_the_baseline(params, baseline_tokens):
-  sample = make_mar_sampler(MAR_CFG, VAE_CFG, num_iter=NUM_ITER, policy=_SharedEncoderNeutral())
-  assert (len(set(sample.parts)), len(set(sample.plans))) == (2, 3)
-  np.testing.assert_array_equal(sample(params, jax.random.key(3), LABELS, **OPTS)[1]['tokens'], baseline_tokens)
-
-
 def test_neutral_hooks_of_plans_on_every_position_equal_that_baseline(params):
   """Plans that ask for every position (`IterPlan.every_position`) hand their hooks the unknown
   ones too, hidden as keys: the baseline of encoder_sizes=None."""
@@ -166,14 +145,6 @@ def test_a_plan_of_the_wrong_length_is_rejected():
       return (IterPlan(),) * (num_iter - 1)
   with pytest.raises(ValueError, match='one IterPlan per iteration'):
     make_mar_sampler(MAR_CFG, VAE_CFG, num_iter=NUM_ITER, policy=Short())
-
-
-def test_an_encoder_plan_of_other_rows_is_rejected():
-  class OtherRows(MARPolicy):
-    def encoder_plan(self, plan):
-      return IterPlan(uncond=False)
-  with pytest.raises(ValueError, match='encoder_plan.*same uncond and every_position'):
-    make_mar_sampler(MAR_CFG, VAE_CFG, num_iter=NUM_ITER, policy=OtherRows())
 
 
 def test_the_policy_is_bound_to_the_config_the_sampler_schedule_and_guidance():

@@ -4,9 +4,8 @@
 policy once, when it is built, to `Binding(model=MARConfig, schedule=MARSchedule
 (mar/schedule.py: the mask schedule and the head's diffusion step count), guided=the CFG flag)`
 (settings that do not fit them are an error before anything compiles), runs its iterations as
-one `lax.scan` whose body switches between the distinct static *encoder plans* for the encoder,
-then between the distinct *plans* of that encoder plan for the decoder, and between the distinct
-head caches for the diffusion head, and carries the policy's state (its
+one `lax.scan` whose body switches between the distinct static *plans* for the model part and
+between the distinct head caches for the diffusion head, and carries the policy's state (its
 caches, a pytree; `init_state(batch)`, batch = B samples) through the scan. At every iteration it
 asks the core hooks:
   - `block_hooks(Site(plan, stack), depth)`: per block of the encoder or decoder stack, which
@@ -20,10 +19,6 @@ and MAR's extensions:
   - `plan(num_iter)`: one `IterPlan` per iteration of the bound schedule: whether the
     unconditional half of the CFG batch runs, and a static tag of the policy's own (say, how
     many tokens the decoder forwards); equal plans share one compiled branch of the scan body;
-  - `encoder_plan(plan)`: the plan as the iteration's encoder part sees it (`begin`, the
-    encoder's `block_hooks`, `decoder_input`): iterations of equal encoder plans share one
-    compiled encoder, the body switching to the plan's decoder after it (the plan itself by
-    default);
   - `begin`: to note the iteration's facts (which tokens are still unknown, which ones it
     predicts) in the policy's state;
   - `decoder_input`: the decoder's input to run (e.g. cached rows where the encoder output
@@ -84,19 +79,12 @@ class MARPolicy(Policy):
     """One plan per iteration; num_iter is the bound schedule's."""
     return (IterPlan(),) * num_iter
 
-  def encoder_plan(self, plan: IterPlan) -> IterPlan:
-    """The plan as the iteration's encoder part (`begin`, the encoder's hooks, `decoder_input`)
-    sees it: iterations whose encoder plans are equal share one compiled encoder part, their plans'
-    decoders branching after it. Its `uncond` and `every_position` are the plan's."""
-    return plan
-
   def begin(self, plan: IterPlan, info: IterInfo, state: Any) -> Any:
-    """Asked with the iteration's encoder plan (`encoder_plan`)."""
     return state
 
   def decoder_input(self, plan: IterPlan, x: Array, state: Any) -> tuple[Array, Any]:
     """The decoder input to run [rows, buffer + N, Cd] from the fresh one x (rows = 2B when the
-    plan runs both CFG halves, else B); asked with the iteration's encoder plan."""
+    plan runs both CFG halves, else B)."""
     return x, state
 
   def head_cache(self, plan: IterPlan) -> Optional[HeadCache]:
@@ -115,11 +103,6 @@ class MARPolicy(Policy):
 BASELINE = MARPolicy()
 
 
-def check_plans(plans: Sequence[IterPlan], num_iter: int, parts: Sequence[IterPlan]) -> None:
-  """The policy's plans and their encoder plans (`MARPolicy.encoder_plan`), one per iteration."""
+def check_plans(plans: Sequence[IterPlan], num_iter: int) -> None:
   if len(plans) != num_iter or not all(isinstance(p, IterPlan) for p in plans):
     raise ValueError(f'a MAR policy plan must hold one IterPlan per iteration ({num_iter}), got {plans!r}')
-  for plan, part in zip(plans, parts):
-    if not isinstance(part, IterPlan) or (part.uncond, part.every_position) != (plan.uncond, plan.every_position):
-      raise ValueError(f'encoder_plan({plan!r}) must be an IterPlan of the same uncond and every_position, '
-                       f'got {part!r}')

@@ -41,9 +41,8 @@ the guidance flag, chooses per iteration which tokens each encoder and decoder
 block forwards, what they attend to and restore from its caches, and whether the
 unconditional half runs (its `guide` then makes it). The iterations run as one
 scan; with several distinct static plans, its body switches to the iteration's
-encoder part (each distinct `encoder_plan` compiled once, however often the schedule
-alternates between them), within it to the plan's decoder (each plan's once), then to
-its head cache's sampling loop (each distinct cache compiled once).
+model part (each plan compiled once, however often the schedule alternates between
+them), then to its head cache's sampling loop (each distinct cache compiled once).
 The weights are cast to the compute dtype, stacked for the scanned blocks and merged
 for the head's adaLN once per call, outside the loop.
 """
@@ -126,8 +125,7 @@ class _MARSampler:
     self.schedule = MARSchedule(mask_schedule(mar_cfg.seq_len, num_iter), self.diffusion.num_timesteps)
     self.policy = policy = policy.bind(Binding(mar_cfg, self.schedule, guided, scanned=scan_blocks))
     self.plans = policy.plan(num_iter)
-    self.parts = tuple(policy.encoder_plan(p) for p in self.plans)
-    check_plans(self.plans, num_iter, self.parts)
+    check_plans(self.plans, num_iter)
     self.head_caches = tuple(policy.head_cache(p) for p in self.plans)
     self.encoder_lengths = self._encoder_lengths(encoder_sizes)
     self.vae_scale = vae_cfg.scaling_factor
@@ -222,10 +220,9 @@ class _MARSampler:
   def _sample(self, params, key, labels, cfg, temperature, draws=None, *, cfg_schedule):
     draws = draws or dict(orders=None, noises=None, forced=None)
     mc = self.mar_cfg
-    # The distinct encoder parts, each at each distinct encoder length, the distinct plans' decoders
-    # (grouped by their encoder part) and the distinct head caches, each traced and compiled once.
-    parts, heads = list(dict.fromkeys(self.parts)), list(dict.fromkeys(self.head_caches))
-    groups = {q: list(dict.fromkeys(p for r, p in zip(self.parts, self.plans) if r == q)) for q in parts}
+    # The distinct plans' model parts, their encoder at each distinct length, and the distinct head
+    # caches, each traced and compiled once.
+    trunks, heads = list(dict.fromkeys(self.plans)), list(dict.fromkeys(self.head_caches))
     lengths = sorted({n for n in self.encoder_lengths if n is not None})
     params, stacked, adaln = self._prepared(params, heads)
     mp = {'params': params['mar']}
@@ -246,8 +243,8 @@ class _MARSampler:
       tokens, state = carry
       guidance = cfg if cfg_schedule == 'constant' else 1 + (cfg - 1) * (n - xs['mask_len']) / n
       idx = self._pred_positions(order, xs['masked'], xs['n_pred'])
-      z, state, record = _switch(xs, 'part', parts, lambda part: functools.partial(
-          self._model_part, params, stacked, part, groups[part], lengths, tokens, state, idx, rank, class_emb, xs))
+      z, state, record = _switch(xs, 'plan', trunks, lambda plan: functools.partial(
+          self._decode, params, stacked, plan, lengths, tokens, state, idx, rank, class_emb, xs))
       new = _switch(xs, 'head', heads, lambda cache: functools.partial(
           self._head_sample, params, cache, adaln[cache], jax.random.fold_in(key, xs['i']), xs['noises'], z,
           guidance, temperature)).reshape(idx.shape + (d,))
@@ -257,15 +254,12 @@ class _MARSampler:
       tokens = tokens.at[jnp.arange(b)[:, None], idx].set(used, mode='drop')
       return (tokens, state), (dict(pred=idx, sampled=new, **record) if self.record else None)
 
-    # xs['encoder']: the iteration's encoder length among `lengths` (any one where the plan runs every position);
-    # xs['part'] its encoder part among `parts`, xs['plan'] its plan among its part's `groups`.
+    # xs['encoder']: the iteration's encoder length among `lengths` (any one where the plan runs every position).
     at_length = [lengths[0] if e is None else e for e in self.encoder_lengths] if lengths else []
-    for name, distinct, per_iter in (('part', parts, self.parts), ('head', heads, self.head_caches),
+    for name, distinct, per_iter in (('plan', trunks, self.plans), ('head', heads, self.head_caches),
                                      ('encoder', lengths, at_length)):
       if len(distinct) > 1:
         per_step[name] = jnp.asarray([distinct.index(p) for p in per_iter], jnp.int32)
-    if any(len(g) > 1 for g in groups.values()):
-      per_step['plan'] = jnp.asarray([groups[q].index(p) for q, p in zip(self.parts, self.plans)], jnp.int32)
     carry = (jnp.zeros((b, n, d), jnp.float32), self.policy.init_state(b))
     (tokens, _), records = jax.lax.scan(body, carry, per_step)
     latents = self.model.apply(mp, tokens, method=MAR.unpatchify) / self.vae_scale
@@ -275,32 +269,23 @@ class _MARSampler:
       aux['iterations'] = records
     return jnp.clip((images + 1) * 0.5, 0, 1), aux
 
-  def _model_part(self, params, stacked, part: IterPlan, plans: list, lengths: list, tokens, state, idx, rank,
-                  class_emb, xs):
-    """An iteration's model part: encode the known tokens through the encoder part `part`
-    (`MARPolicy.encoder_plan`), then decode through the iteration's plan among `plans` (those of
-    this part; xs['plan'] picks it). lengths: the encoder's distinct lengths (`_encode`), the
+  def _decode(self, params, stacked, plan: IterPlan, lengths: list, tokens, state, idx, rank, class_emb, xs):
+    """An iteration's model part: encode the known tokens, decode all, the head's conditions at the
+    positions idx [B, P] predicted now. lengths: the encoder's distinct lengths (`_encode`), the
     iteration's xs['encoder'] among them where the plan gathers the known positions; tokens [B, N,
-    D]; idx [B, P] the positions predicted now; xs: the iteration's counts (see `_sample`); stacked:
-    `MAR.stacked_blocks` ({} unless the blocks run as a scan).
+    D]; xs: the iteration's counts (see `_sample`); stacked: `MAR.stacked_blocks` ({} unless the
+    blocks run as a scan).
     -> (z [R, Cd] (R = 2BP with guidance: [cond; uncond]), the policy's state, its record)."""
+    mp, policy, mc = {'params': params['mar']}, self.policy, self.mar_cfg
     b, n = tokens.shape[:2]
     mask = rank < xs['masked']
-    state = self.policy.begin(part, IterInfo(xs['i'], mask, idx), state)
-    rows = 2 * b if self.guided and part.uncond else b
+    state = policy.begin(plan, IterInfo(xs['i'], mask, idx), state)
+    rows = 2 * b if self.guided and plan.uncond else b
     t2, m2 = jnp.tile(tokens, (rows // b, 1, 1)), jnp.tile(mask, (rows // b, 1))
-    encode = lambda length: functools.partial(self._encode, params, stacked, part, t2, m2, class_emb[:rows], length,
+    encode = lambda length: functools.partial(self._encode, params, stacked, plan, t2, m2, class_emb[:rows], length,
                                               state)
-    x, state = encode(None)() if part.every_position or not lengths else _switch(xs, 'encoder', lengths, encode)
-    x, state = self.policy.decoder_input(part, x, state)
-    return _switch(xs, 'plan', plans, lambda plan: functools.partial(self._decode, params, stacked, plan, x, state,
-                                                                    idx, n))
-
-  def _decode(self, params, stacked, plan: IterPlan, x, state, idx, n: int):
-    """The decoder's part of an iteration of `plan` on its input x [rows, buffer + N, Cd]: the
-    decoder blocks, guidance, and the head's conditions at the positions idx [B, P] predicted now
-    -> (z [R, Cd], the policy's state, its record), as `_model_part` returns them."""
-    mp, policy, mc = {'params': params['mar']}, self.policy, self.mar_cfg
+    x, state = encode(None)() if plan.every_position or not lengths else _switch(xs, 'encoder', lengths, encode)
+    x, state = policy.decoder_input(plan, x, state)
     x, state = self.model.apply(mp, x, policy.block_hooks(Site(plan, 'decoder'), mc.decoder_depth), state,
                                 scan=self.scan_blocks, stacked=stacked.get('decoder'), method=MAR.run_decoder)
     if self.guided:
