@@ -37,9 +37,12 @@ iterations: exactly the official schedule).
 Shapes are static: every count follows from the iteration schedule. A cached plan's tag is
 the kept count padded to the largest one among the iterations of its ratio, and those sizes
 merged into at most `decoder_sizes` (`merge_sizes`: the fewest padded rows), each one compiled
-body of the iteration loop (MAR-H at 64 iterations has 7 sizes; 4 keep its compile under 30 s,
-benchmarks/RESULTS.md); padding rows and the padded predicted positions carry the out-of-range
-index L (gathered as NaN rows, dropped when scattered), so they change the work, not the outputs.
+body of the iteration loop; padding rows and the padded predicted positions carry the
+out-of-range index L (gathered as NaN rows, dropped when scattered), so they change the work, not
+the outputs. MAR-H at 64 iterations has 7 sizes; at batch 1, where a cached pass reads its
+weights whatever its rows, one size runs as fast as four and halves the unrolled compile
+(`lazymar:official[decoder_sizes=1]`: 32 s against 66-70 on an H200); at batch 16 four are 1.11x
+faster, and stay the default (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
