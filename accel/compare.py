@@ -34,7 +34,7 @@ from sampling import flags as sf
 from var_models.nn.checks import check_labels
 
 _POLICY = flags.DEFINE_list('policy', None, "policies, e.g. fastvar:infinity_2b ('a+b' composes), "
-                            'lazymar:official, ecarcache:every_2')
+                            "lazymar:official, ecarcache:every_2, lazymar:official[decoder_sizes=1] (a setting)")
 _SEEDS = flags.DEFINE_string('seeds', '0-15', "seeds, e.g. '0-63' or '0,5,9-12'")
 _LABELS = flags.DEFINE_list('labels', None, 'class labels, cycled over the seeds (default: seed mod classes)')
 _CFG = flags.DEFINE_float('cfg', None, "guidance scale (default: the config's sample.cfg)")
