@@ -14,8 +14,9 @@ key(s) (with --batch_size b > 1, each group of b seeds shares the key of its fir
 'a+b' composes VAR policies) run on the same keys and labels; per image, PSNR, SSIM and LPIPS
 (with --lpips, a `python -m var_models.convert lpips` directory) of the accelerated image
 against the baseline's; for VAR, per scale, the fraction of equal token ids; per sampler, the
-median latency of a call (after a warm-up call), compile time and XLA's peak memory (weights +
-temporaries + outputs of the compiled program). Writes, under --out, summary.md (one row per
+median latency of a call (after a warm-up call, each sampler timed alone), compile time (the
+programs compile --compile_workers at a time) and XLA's peak memory (weights + temporaries +
+outputs of the compiled program). Writes, under --out, summary.md (one row per
 policy, also printed), POLICY.json (every per-image figure) and POLICY.png (baseline |
 accelerated pairs, the first --grid images). The comparison itself is `accel.fidelity` (importable
 without this CLI's flags).
@@ -41,6 +42,8 @@ _CFG = flags.DEFINE_float('cfg', None, "guidance scale (default: the config's sa
 _LPIPS = flags.DEFINE_string('lpips', None, 'LPIPS params directory (python -m var_models.convert lpips)')
 _OUT = flags.DEFINE_string('out', 'compare', 'output directory')
 _GRID = flags.DEFINE_integer('grid', 16, 'image pairs in each PNG grid')
+_WORKERS = flags.DEFINE_integer('compile_workers', 4, 'samplers compiled side by side (each compile is mostly '
+                                'one thread; their compile times are then under that contention)', lower_bound=1)
 
 
 def _labels(seeds: list[int], num_classes: int) -> np.ndarray:
@@ -72,7 +75,7 @@ def main(argv):
   family = sampling.with_params(sampling.load(sf.CKPT.value, jax.random.key(0)))
   lpips_params = metrics.load_lpips(_LPIPS.value) if _LPIPS.value else None
   print(f'device: {jax.devices()[0].device_kind}; {len(seeds)} images, batch {batch}, {family.options}', flush=True)
-  print(compare(family, policies, seeds, labels, batch, _OUT.value, lpips_params, _GRID.value))
+  print(compare(family, policies, seeds, labels, batch, _OUT.value, lpips_params, _GRID.value, _WORKERS.value))
 
 
 if __name__ == '__main__':

@@ -1,27 +1,29 @@
 """The fidelity comparison behind `python -m accel.compare`: accelerated samplers against the baseline, on
 the same keys and labels, as a library (no flags: runners and tests import it).
 
-  base, runs = ..., compare(family, {spec: policy}, seeds, labels, batch, out, lpips_params, grid)
+  table = compare(family, {spec: policy}, seeds, labels, batch, out, lpips_params, grid, workers)
 
 Per image, PSNR, SSIM and LPIPS (given LPIPS params) of each accelerated image against the baseline's;
 for VAR, per scale, the fraction of equal token ids; per sampler, the median latency of a call (after a
-warm-up call), compile time and XLA's peak memory. Writes summary.md, POLICY.json and POLICY.png under
-`out` (see accel/compare.py).
+warm-up call), compile time and XLA's peak memory. The programs compile `workers` at a time (XLA runs
+most of a compile on one thread, so side by side they overlap), then each sampler runs alone. Writes
+summary.md, POLICY.json and POLICY.png under `out` (see accel/compare.py).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
 import statistics
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import numpy as np
 from PIL import Image
 
 from accel import metrics
-from accel.timing import compiled_in, timed_calls
+from accel.timing import compile_in, timed_calls
 from sampling import Family
 
 @dataclasses.dataclass
@@ -57,15 +59,26 @@ def peak_bytes(compiled) -> Optional[int]:
   return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
-def run_sampler(family: Family, policy, seeds: list[int], labels: np.ndarray, batch: int) -> Run:
-  """Samples `seeds` (labels [N]) with `policy` in calls of `batch` images; the last call padded and cut."""
+@dataclasses.dataclass
+class _Job:
+  """A sampler's program for one call of `batch` images and the calls that cover the seeds."""
+  lowered: Any
+  args: list                      # each call's checked arguments
+  groups: list[slice]             # each call's seeds (the last call padded to `batch` and cut)
+
+
+def _job(family: Family, policy, seeds: list[int], labels: np.ndarray, batch: int) -> _Job:
   sample = family.make(policy)
   groups = [slice(i, i + batch) for i in range(0, len(seeds), batch)]
   calls = [(jax.random.key(seeds[g.start]), np.resize(labels[g], batch).astype(np.int32)) for g in groups]
-  compiled, compile_s = compiled_in(sample.lower(family.params, *calls[0], **family.opts))
   args = [sample.arguments(family.params, *c, **family.opts) for c in calls]   # checked outside the timed calls
+  return _Job(sample.lower(family.params, *calls[0], **family.opts), args, groups)
+
+
+def _run(family: Family, job: _Job, compiled, compile_s: float, seeds: list[int]) -> Run:
+  """The compiled job's calls, a warm-up call first, each timed alone."""
   images, indices, times = [], [], []
-  for g, ((out, aux), seconds) in zip(groups, timed_calls(compiled, [args[0], *args], warmup=1)):
+  for g, ((out, aux), seconds) in zip(job.groups, timed_calls(compiled, [job.args[0], *job.args], warmup=1)):
     times.append(seconds)
     n = len(seeds[g])
     images.append(np.asarray(out, np.float32)[:n])
@@ -73,6 +86,17 @@ def run_sampler(family: Family, policy, seeds: list[int], labels: np.ndarray, ba
     indices.append(None if tokens is None else [np.asarray(i)[:n] for i in tokens])
   per_scale = None if indices[0] is None else [np.concatenate(s) for s in zip(*indices)]
   return Run(np.concatenate(images), per_scale, statistics.median(times) * 1e3, compile_s, peak_bytes(compiled))
+
+
+def run_samplers(family: Family, policies: dict, seeds: list[int], labels: np.ndarray, batch: int,
+                 workers: int) -> list[Run]:
+  """Samples `seeds` (labels [N]) with each of {name: policy (None: the baseline)} in calls of `batch`
+  images: every program lowered, compiled `workers` at a time, then each run alone, in order."""
+  jobs = [_job(family, policy, seeds, labels, batch) for policy in policies.values()]
+  with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+    futures = [compile_in(pool, name, job.lowered) for name, job in zip(policies, jobs)]
+    compiled = [f.result()[1] for f in futures]
+  return [_run(family, job, *c, seeds) for job, c in zip(jobs, compiled)]
 
 
 def save_pairs(base: np.ndarray, other: np.ndarray, path: str, ncol: int = 4) -> None:
@@ -109,13 +133,13 @@ TABLE_HEAD = ('| policy | images | identical | PSNR dB (others) | SSIM | LPIPS |
 
 
 def compare(family: Family, policies: dict, seeds: list[int], labels: np.ndarray, batch: int, out: str,
-            lpips_params=None, grid: int = 16) -> str:
-  """Runs the baseline and each policy; writes summary.md, NAME.json, NAME.png; returns the table."""
+            lpips_params=None, grid: int = 16, workers: int = 4) -> str:
+  """Runs the baseline and each policy (their programs compiled `workers` at a time); writes
+  summary.md, NAME.json, NAME.png; returns the table."""
   os.makedirs(out, exist_ok=True)
-  base = run_sampler(family, None, seeds, labels, batch)
+  base, *runs = run_samplers(family, {'the baseline': None, **policies}, seeds, labels, batch, workers)
   rows = [TABLE_HEAD]
-  for spec, policy in policies.items():
-    acc = run_sampler(family, policy, seeds, labels, batch)
+  for spec, acc in zip(policies, runs):
     m = metrics.summarise(base.images, acc.images, lpips_params)
     m['agreement'] = None if base.indices is None else metrics.token_agreement(base.indices, acc.indices)
     name = spec.replace(':', '_').replace('+', '__')

@@ -57,7 +57,7 @@ from sampling import compilation_cache
 from accel import LazyMAR, policy_from_spec
 from accel.fidelity import peak_bytes
 from accel.lazymar_flops import lazymar_sampling_flops, official_extra
-from accel.timing import compiled_in
+from accel.timing import compile_in
 import floors
 from timing import (call_times, device_gap_summary, kernel_class, line_splits, print_top_device_ops, settings,
                     trace_events, xla_variants)
@@ -159,16 +159,6 @@ def decoder_job(vq_cfg, params, batch: int):
   f_hat = jax.random.normal(jax.random.key(1), (batch, hw, hw, vq_cfg.z_channels))
   decode = jax.jit(lambda p, f: VQVAE(vq_cfg).apply({'params': p}, f, method=VQVAE.fhat_to_img))
   return decode.lower(params['vqvae'], f_hat), lambda i: (params['vqvae'], f_hat + i)
-
-
-def compile_in(pool, name, lowered, options=None):
-  """A future of (name, (compiled, compile s)): the compile (with XLA `options`) runs in the pool while
-  the caller lowers on."""
-  def one():
-    compiled, seconds = compiled_in(lowered, options)
-    print(f'compiled {name} in {seconds:.1f} s', flush=True)
-    return name, (compiled, seconds)
-  return pool.submit(one)
 
 
 def time_calls(compiled, make_args, warmup: int, iters: int) -> float:

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from accel import ECARConditionCache, FastVAR, LazyMAR, metrics
-from accel.fidelity import compare, parse_seeds
+from accel.fidelity import compare, parse_seeds, run_samplers
 from sampling import family_from_config
 from accel.specs import policy_from_spec
 from configs import ecar as ecar_configs
@@ -78,6 +78,17 @@ def test_compare_on_a_tiny_model_writes_table_pairs_and_per_image_figures(tmp_pa
   grid = np.asarray(Image.open(tmp_path / 'fastvar_tiny.png'))
   assert grid.shape[0] == 32 + 4 and grid.shape[1] == 4 * (2 * 32 + 12)
   assert os.path.exists(tmp_path / 'summary.md')
+
+
+def test_samplers_compiled_side_by_side_sample_what_they_sample_compiled_one_at_a_time():
+  family = family_from_config(var_configs.get_config('tiny'), overrides=dict(cfg=1.5, top_k=0, top_p=1.0))
+  policies = {'base': None, 'fastvar': FastVAR(ratios=((4, 0.5), (8, 1.0)), cache_at=2)}
+  seeds, labels = [0, 1, 2], np.array([3, 1, 4], np.int32)
+  one, three = (run_samplers(family, policies, seeds, labels, 2, workers) for workers in (1, 3))
+  for a, b in zip(one, three, strict=True):
+    np.testing.assert_array_equal(a.images, b.images)
+    assert a.images.shape == (3, 32, 32, 3) and a.compile_s > 0
+  assert not np.array_equal(one[0].indices[-1], one[1].indices[-1])   # the policy pruned the last scale
 
 
 @pytest.mark.parametrize('variant,spec,policy', [
