@@ -1,6 +1,6 @@
 """Where XLA's compile time goes: a command run with XLA's own timers on, summarised as the time each
-HLO pass took summed over the process's compiles, and each program's HLO passes against its backend
-(LLVM, ptxas).
+HLO pass took summed over the process's compiles, and each program's HLO passes (its three longest
+named) against its backend (LLVM, ptxas).
 
   python3 benchmarks/compile_passes.py --top 20 -- python3 benchmarks/first_image.py --model infinity_2b \
       --sampler baseline@scan --compilation_cache=
@@ -26,32 +26,38 @@ import sys
 # "GpuCompiler::RunHloPasses for jit__sample time: 45.8 s (45814517 us) (cumulative: ...)".
 _PASS = re.compile(r'HLO pass: (\S+) time: [\d.]+ \S+ \((\d+) us\)')
 _HALF = re.compile(r'GpuCompiler::(RunHloPasses|RunBackend) for (\S+) time: [\d.]+ \S+ \((\d+) us\)')
-_GLOG = re.compile(r'^[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\] ')
+_GLOG = re.compile(r'^[IWEF]\d{4} [\d:.]+\s+(\d+) \S+:\d+\] ')
 
 
 def summarise(lines) -> tuple[dict, list]:
-  """XLA's timer lines -> ({pass: (seconds over the process, calls)}, [(half, program, seconds), ...])."""
-  passes, halves = {}, []
+  """XLA's timer lines -> ({pass: (seconds over the process, calls)}, [(half, program, seconds, {pass:
+  seconds}), ...]): each half holds the passes its thread ran since that thread's last half (a compile
+  runs on one thread, so compiles side by side keep their own)."""
+  passes, halves, pending = {}, [], {}
   for line in lines:
+    thread = (m[1] if (m := _GLOG.match(line)) else None)
     if m := _PASS.search(line):
       seconds, calls = passes.get(m[1], (0.0, 0))
       passes[m[1]] = (seconds + int(m[2]) / 1e6, calls + 1)
+      own = pending.setdefault(thread, {})
+      own[m[1]] = own.get(m[1], 0.0) + int(m[2]) / 1e6
     elif m := _HALF.search(line):
-      halves.append((m[1], m[2], int(m[3]) / 1e6))
+      halves.append((m[1], m[2], int(m[3]) / 1e6, pending.pop(thread, {})))
   return passes, halves
 
 
 def programs(halves) -> list[list]:
-  """[(half, program, seconds), ...] in log order -> [[program, HLO passes s, backend s], ...]: each
-  RunBackend joins the latest RunHloPasses of its program that has none (compiles of one name pair up)."""
+  """[(half, program, seconds, passes), ...] in log order -> [[program, HLO passes s, backend s, {pass:
+  seconds} of its HLO passes], ...]: each RunBackend joins the latest RunHloPasses of its program that
+  has none (compiles of one name pair up)."""
   rows = []
-  for half, name, seconds in halves:
+  for half, name, seconds, own in halves:
     if half == 'RunHloPasses':
-      rows.append([name, seconds, 0.0])
+      rows.append([name, seconds, 0.0, own])
     else:
       row = next((r for r in reversed(rows) if r[0] == name and not r[2]), None)
       if row is None:
-        rows.append(row := [name, 0.0, 0.0])
+        rows.append(row := [name, 0.0, 0.0, {}])
       row[2] = seconds
   return rows
 
@@ -77,9 +83,11 @@ def main():
     with open(args.log, 'w') as f:
       f.writelines(timers)
   passes, halves = summarise(timers)
-  print('\n| program, in the order compiled | HLO passes s | backend s |\n| --- | ---: | ---: |')
-  for name, hlo, backend in programs(halves):
-    print(f'| {name} | {hlo:.1f} | {backend:.1f} |')
+  print('\n| program, in the order compiled | HLO passes s | backend s | its longest passes s |\n'
+        '| --- | ---: | ---: | --- |')
+  for name, hlo, backend, own in programs(halves):
+    longest = ', '.join(f'{k} {v:.1f}' for k, v in sorted(own.items(), key=lambda kv: -kv[1])[:3])
+    print(f'| {name} | {hlo:.1f} | {backend:.1f} | {longest} |')
   print('\n| HLO pass | seconds over the process | runs |\n| --- | ---: | ---: |')
   for name, (seconds, calls) in sorted(passes.items(), key=lambda kv: -kv[1][0])[:args.top]:
     print(f'| {name} | {seconds:.1f} | {calls} |')

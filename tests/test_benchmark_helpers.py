@@ -147,7 +147,8 @@ def test_ecar_traffic_reads_the_condition_and_adaln_once_a_stage():
     assert reads[f'denoiser {s} once a stage'] == (once, 1)
   assert reads['AR'] == (nbytes(params['ar']), 3)
 
-# XLA's timer lines as jax 0.11.2 logs them (abridged prefixes), two programs of one name.
+# XLA's timer lines as jax 0.11.2 logs them (abridged prefixes): two programs of one name on thread 886, a third
+# compiled beside the second on thread 901.
 _TIMERS = [
     'I1129 14:54:19.0 886 hlo_pass_pipeline.cc:176] HLO pass: priority-fusion time: 1.5 s (1500000 us) '
     '(cumulative: 9 s, max: 2 s, #called: 40)\n',
@@ -159,14 +160,20 @@ _TIMERS = [
     '(8413591 us) (cumulative: 26.3 s, max: 17.4 s, #called: 5)\n',
     'I1129 14:55:17.7 886 hlo_pass_pipeline.cc:176] HLO pass: priority-fusion time: 500 ms (500000 us) '
     '(cumulative: 12 s, max: 2 s, #called: 42)\n',
+    'I1129 14:55:17.7 901 hlo_pass_pipeline.cc:176] HLO pass: priority-fusion time: 250 ms (250000 us) '
+    '(cumulative: 12 s, max: 2 s, #called: 43)\n',
     'I1129 14:55:17.7 886 gpu_compiler.cc:2345] GpuCompiler::RunHloPasses for jit__sample time: 1.72 min '
     '(102920905 us) (cumulative: 3 min, max: 1.72 min, #called: 6)\n',
     'I1129 14:55:33.3 886 gpu_compiler.cc:3017] GpuCompiler::RunBackend for jit__sample time: 15.6 s '
     '(15604812 us) (cumulative: 41.9 s, max: 17.4 s, #called: 6)\n',
+    'I1129 14:55:33.4 901 gpu_compiler.cc:2345] GpuCompiler::RunHloPasses for jit_init time: 1 ms '
+    '(1000 us) (cumulative: 3 min, max: 1.72 min, #called: 7)\n',
 ]
 
 
-def test_compile_passes_sums_each_pass_own_times_and_pairs_each_programs_halves():
+def test_compile_passes_sums_each_pass_and_gives_each_program_its_halves_and_its_threads_passes():
   passes, halves = summarise(_TIMERS)
-  assert passes == {'priority-fusion': (2.0, 2), 'cse': (0.002, 1)}
-  assert programs(halves) == [['jit__sample', 30731364e-6, 8413591e-6], ['jit__sample', 102920905e-6, 15604812e-6]]
+  assert passes == {'priority-fusion': (2.25, 3), 'cse': (0.002, 1)}
+  assert programs(halves) == [['jit__sample', 30731364e-6, 8413591e-6, {'priority-fusion': 1.5, 'cse': 0.002}],
+                              ['jit__sample', 102920905e-6, 15604812e-6, {'priority-fusion': 0.5}],
+                              ['jit_init', 1e-3, 0.0, {'priority-fusion': 0.25}]]
