@@ -29,13 +29,13 @@ from absl import app, flags
 
 from accel import metrics
 from accel.fidelity import compare, parse_seeds
-from accel.specs import policy_from_spec
+from accel.specs import policy_from_spec, split_specs
 from sampling import compilation_cache, sampling_from_config
 from sampling import flags as sf
 from var_models.nn.checks import check_labels
 
-_POLICY = flags.DEFINE_list('policy', None, "policies, e.g. fastvar:infinity_2b ('a+b' composes), "
-                            "lazymar:official, ecarcache:every_2, lazymar:official[decoder_sizes=1] (a setting)")
+_POLICY = flags.DEFINE_string('policy', None, "comma-separated policies, e.g. fastvar:infinity_2b ('a+b' composes), "
+                              "lazymar:official, ecarcache:every_2, fastvar:infinity_2b[blocks=(3, 4)] (a setting)")
 _SEEDS = flags.DEFINE_string('seeds', '0-15', "seeds, e.g. '0-63' or '0,5,9-12'")
 _LABELS = flags.DEFINE_list('labels', None, 'class labels, cycled over the seeds (default: seed mod classes)')
 _CFG = flags.DEFINE_float('cfg', None, "guidance scale (default: the config's sample.cfg)")
@@ -64,12 +64,13 @@ def main(argv):
   if sf.SEED.value is not None:
     raise ValueError("--seed: accel.compare samples each of --seeds (e.g. '0-63') with its own key")
   batch = sf.batch_size(1)   # the papers' latencies are of one image
-  if not _POLICY.value:
+  specs = split_specs(_POLICY.value or '')
+  if not specs:
     raise ValueError('--policy: name at least one policy, e.g. fastvar:var256, lazymar:official, ecarcache:every_2')
   seeds = parse_seeds(_SEEDS.value)
   sampling = sampling_from_config(config, sf.overrides(config.family, _CFG.value))
   labels = _labels(seeds, sampling.num_classes)
-  policies = {spec: policy_from_spec(spec, sampling.name) for spec in _POLICY.value}
+  policies = {spec: policy_from_spec(spec, sampling.name) for spec in specs}
   for policy in policies.values():   # settings that do not fit the model fail here, before the parameters
     sampling.make(policy)
   family = sampling.with_params(sampling.load(sf.CKPT.value, jax.random.key(0)))

@@ -5,12 +5,12 @@
     policy_from_spec('lazymar:official', family='mar')   # LazyMAR.preset('official')
     policy_from_spec('lazymar:official[decoder_sizes=2]', family='mar')   # ... with decoder_sizes=2
     policy_from_spec('baseline', family='ecar')          # the unaccelerated E-CAR sampler
+    split_specs('fastvar:var256,fastvar:infinity_2b[blocks=(3, 4)]')   # a command line's list of specs
 """
 from __future__ import annotations
 
 import ast
 import dataclasses
-import re
 
 from accel.compose import compose
 from accel.ecar_caches import ECARConditionCache
@@ -49,12 +49,14 @@ def _one(spec: str, family: str):
 
 def _settings(spec: str, cls, text: str) -> dict:
   """'[field=value][field=value]...' -> {field: value} of the dataclass cls's fields."""
-  pairs = re.findall(r'\[(\w+)=([^\]]*)\]', text)
-  if ''.join(f'[{k}={v}]' for k, v in pairs) != text:
-    raise ValueError(f"policy {spec!r}: settings must be '[field=value]' each, got {text!r}")
+  bad = ValueError(f"policy {spec!r}: settings must be '[field=value]' each, got {text!r}")
   fields = {f.name for f in dataclasses.fields(cls) if f.init and f.compare and f.name != 'source'}
   out = {}
-  for field, value in pairs:
+  *items, rest = _top_level(text, ']', bad)
+  for item in items:
+    field, eq, value = item[1:-1].partition('=')
+    if rest or not item.startswith('[') or not eq or not field.isidentifier():
+      raise bad
     if field not in fields:
       raise ValueError(f'policy {spec!r}: {cls.__name__} has no setting {field!r}; known: {sorted(fields)}')
     try:
@@ -64,11 +66,34 @@ def _settings(spec: str, cls, text: str) -> dict:
   return out
 
 
+def _top_level(text: str, sep: str, error: Exception) -> list[str]:
+  """text split after (sep ']') or at (any other sep) each sep outside brackets and parentheses;
+  unbalanced ones raise `error`."""
+  parts, depth, start = [], 0, 0
+  for i, c in enumerate(text):
+    if c == sep and depth == (1 if sep == ']' else 0):
+      parts.append(text[start:i + 1] if sep == ']' else text[start:i])
+      start = i + 1
+    depth += (c in '([{') - (c in ')]}')
+    if depth < 0:
+      raise error
+  if depth:
+    raise error
+  return parts + [text[start:]]
+
+
+def split_specs(text: str) -> list[str]:
+  """Comma-separated specs -> [spec, ...], a comma inside a setting's value ('[blocks=(3, 4)]') kept."""
+  return [s.strip() for s in _top_level(text, ',', ValueError(f'unbalanced brackets in policies {text!r}'))
+          if s.strip()]
+
+
 def policy_from_spec(spec: str, family: str = 'var'):
   """The policy a spec names for a sampler of `family` ('var', 'mar', 'ecar'); 'a+b' composes a and b."""
   if family not in BASELINES:
     raise ValueError(f'unknown sampler family {family!r}; known: {sorted(BASELINES)}')
-  parts = [_one(s.strip(), family) for s in spec.split('+')]
+  unbalanced = ValueError(f'policy {spec!r}: unbalanced brackets')
+  parts = [_one(s.strip(), family) for s in _top_level(spec, '+', unbalanced)]
   if len(parts) > 1 and family != 'var':
     raise ValueError(f"policy {spec!r}: '+' composes next-scale (VAR) policies only")
   return parts[0] if len(parts) == 1 else compose(*parts)

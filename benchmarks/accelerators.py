@@ -54,7 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sampling import compilation_cache
-from accel import LazyMAR, policy_from_spec
+from accel import policy_from_spec
+from accel.specs import split_specs
 from accel.fidelity import peak_bytes
 from accel.lazymar_flops import lazymar_sampling_flops, official_extra
 from accel.timing import compile_in
@@ -112,7 +113,7 @@ def build(model: str, attn: str, policies: str):
   var_cfg = VARConfig(**var_kw, attn_backend=attn, dtype=jnp.bfloat16)
   vq_cfg = VQVAEConfig(**vq_kw, dtype=jnp.bfloat16)
   if policies:
-    specs = fitting(policies.split(','), var_cfg)
+    specs = fitting(split_specs(policies), var_cfg)
   return var_cfg, vq_cfg, _init_params(var_cfg, vq_cfg), specs
 
 
@@ -247,7 +248,7 @@ def flop_table(args) -> None:
     var_kw, vq_kw, specs = MODELS[model]
     var_cfg = VARConfig(**var_kw, attn_backend='xla', dtype=jnp.bfloat16)
     vq_cfg = VQVAEConfig(**vq_kw, dtype=jnp.bfloat16)
-    specs = fitting(args.policies.split(','), var_cfg) if args.policies else specs
+    specs = fitting(split_specs(args.policies), var_cfg) if args.policies else specs
     params = jax.eval_shape(lambda k: init_var_params(var_cfg, vq_cfg, k), jax.random.key(0))
     hw = vq_cfg.patch_nums[-1]
     decoder = flops(lambda p, f: VQVAE(vq_cfg).apply({'params': p}, f, method=VQVAE.fhat_to_img), params['vqvae'],
@@ -279,8 +280,8 @@ def mar_flop_table(args) -> None:
     cfg = getattr(mar_model, size)()
     base, paper_base = sampling_flops(cfg, KL16)['per_image_without_decode'], PAPER_MAR.get(size)
     print(f"| MAR-{size} | baseline | {base / 1e12:.2f} | 1.00x | | | {paper_base or ''} | | |", flush=True)
-    for preset in args.mar_presets.split(','):
-      policy = LazyMAR.preset(preset)
+    for preset in split_specs(args.mar_presets):
+      policy = policy_from_spec(f'lazymar:{preset}', 'mar')
       ours = lazymar_sampling_flops(cfg, KL16, policy)['per_image_without_decode']
       official = ours + official_extra(cfg, policy)
       paper = PAPER_LAZYMAR.get((size, preset))
@@ -305,7 +306,7 @@ def family_configs(args) -> list[tuple[str, object, tuple[str, ...]]]:
     for size in filter(None, sizes.split(',')):
       config = module.get_config(size)
       config.dtype, config.attn_backend = args.family_dtype, args.attn
-      out.append((label.format(size), config, tuple(f'{method}:{p}' for p in filter(None, presets.split(',')))))
+      out.append((label.format(size), config, tuple(f'{method}:{p}' for p in split_specs(presets))))
   return out
 
 

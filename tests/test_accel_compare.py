@@ -116,11 +116,17 @@ def test_family_rejects_settings_of_another_family_and_policies_of_another_famil
     policy_from_spec('ecarcache:every_2+baseline', 'ecar')
 
 
-def test_command_line_rejects_a_preset_that_does_not_fit_before_compiling(tmp_path):
-  cmd = [sys.executable, '-m', 'accel.compare', '--config', 'configs/var.py:tiny', '--policy', 'fastvar:infinity_2b',
+@pytest.mark.parametrize('policy, error', [
+    ('fastvar:infinity_2b', 'FastVAR.ratios: scale 32 is not in the schedule'),
+    # settings whose values hold commas, in a comma-separated list
+    ('fastvar:skip2[ratios=((8, 1.0),)],fastvar:skip2[ratios=((4, 0.5),)][cache_at=2][blocks=(0, 99)]',
+     'FastVAR.blocks: block 99 is past the depth 2'),
+])
+def test_command_line_rejects_a_preset_that_does_not_fit_before_compiling(tmp_path, policy, error):
+  cmd = [sys.executable, '-m', 'accel.compare', '--config', 'configs/var.py:tiny', '--policy', policy,
          '--out', str(tmp_path)]
   res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-  assert res.returncode != 0 and 'FastVAR.ratios: scale 32 is not in the schedule' in res.stderr
+  assert res.returncode != 0 and error in res.stderr
   assert not os.listdir(tmp_path)
 
 

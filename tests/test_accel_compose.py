@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from accel import ECARConditionCache, FastVAR, LazyMAR, compose, policy_from_spec
+from accel.specs import split_specs
 from accel.compose import Composed, merge_plans
 from test_var_sampler import _CondOnly
 from var_models.var.policy import ScalePolicy, Step
@@ -101,4 +102,15 @@ def test_spec_settings_in_brackets_change_the_preset_and_are_checked():
   with pytest.raises(ValueError, match="cache_at='x' is not a Python literal"):
     policy_from_spec('fastvar:infinity_2b[cache_at=x]')
   with pytest.raises(ValueError, match=r"settings must be '\[field=value\]' each"):
+    policy_from_spec('fastvar:infinity_2b[cache_at=3]x')
+  with pytest.raises(ValueError, match='unbalanced brackets'):
     policy_from_spec('fastvar:infinity_2b[cache_at=3')
+
+
+def test_comma_separated_specs_keep_the_commas_of_their_settings():
+  specs = split_specs('fastvar:infinity_2b[blocks=(3, 4)], baseline,fastvar:var256[ratios=((13, 0.5),)]+baseline')
+  assert specs == ['fastvar:infinity_2b[blocks=(3, 4)]', 'baseline', 'fastvar:var256[ratios=((13, 0.5),)]+baseline']
+  assert policy_from_spec(specs[0]).blocks == (3, 4)
+  assert policy_from_spec(specs[2]).policies[0].ratios == ((13, 0.5),)
+  with pytest.raises(ValueError, match='unbalanced brackets'):
+    split_specs('fastvar:var256[cache_at=(1]')
