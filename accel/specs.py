@@ -52,10 +52,9 @@ def _settings(spec: str, cls, text: str) -> dict:
   bad = ValueError(f"policy {spec!r}: settings must be '[field=value]' each, got {text!r}")
   fields = {f.name for f in dataclasses.fields(cls) if f.init and f.compare and f.name != 'source'}
   out = {}
-  *items, rest = _top_level(text, ']', bad)
-  for item in items:
-    field, eq, value = item[1:-1].partition('=')
-    if rest or not item.startswith('[') or not eq or not field.isidentifier():
+  for group in _bracketed(text, bad):
+    field, eq, value = group.partition('=')
+    if not eq or not field.isidentifier():
       raise bad
     if field not in fields:
       raise ValueError(f'policy {spec!r}: {cls.__name__} has no setting {field!r}; known: {sorted(fields)}')
@@ -66,17 +65,34 @@ def _settings(spec: str, cls, text: str) -> dict:
   return out
 
 
+def _bracketed(text: str, error: Exception) -> list[str]:
+  """'[a][b]...' -> ['a', 'b', ...], the brackets and parentheses inside each group kept; anything
+  else raises `error`."""
+  groups, depth, start = [], 0, 0
+  for i, c in enumerate(text):
+    if depth == 0 and c != '[':
+      raise error
+    depth += (c in '([{') - (c in ')]}')
+    if depth == 0:
+      if c != ']':
+        raise error
+      groups.append(text[start + 1:i])
+      start = i + 1
+  if depth:
+    raise error
+  return groups
+
+
 def _top_level(text: str, sep: str, error: Exception) -> list[str]:
-  """text split after (sep ']') or at (any other sep) each sep outside brackets and parentheses;
-  unbalanced ones raise `error`."""
+  """text split at each `sep` outside brackets and parentheses; unbalanced ones raise `error`."""
   parts, depth, start = [], 0, 0
   for i, c in enumerate(text):
-    if c == sep and depth == (1 if sep == ']' else 0):
-      parts.append(text[start:i + 1] if sep == ']' else text[start:i])
-      start = i + 1
     depth += (c in '([{') - (c in ')]}')
     if depth < 0:
       raise error
+    if c == sep and depth == 0:
+      parts.append(text[start:i])
+      start = i + 1
   if depth:
     raise error
   return parts + [text[start:]]
