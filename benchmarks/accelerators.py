@@ -54,10 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sampling import compilation_cache
-from accel import policy_from_spec
-from accel.specs import split_specs
 from accel.fidelity import peak_bytes
 from accel.lazymar_flops import lazymar_sampling_flops, official_extra
+from accel.specs import policy_from_spec, split_specs
 from accel.timing import compile_in
 import floors
 from timing import (call_times, device_gap_summary, kernel_class, line_splits, print_top_device_ops, settings,

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from accel import ECARConditionCache, FastVAR, LazyMAR, compose, policy_from_spec
-from accel.specs import split_specs
 from accel.compose import Composed, merge_plans
+from accel.specs import split_specs
 from test_var_sampler import _CondOnly
 from var_models.var.policy import ScalePolicy, Step
 from var_models.var.sampler import make_sampler
