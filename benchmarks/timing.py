@@ -99,7 +99,7 @@ def trace_events(run: Callable[[], None], logdir: str) -> dict[str, list[tuple[s
   lines are the threads of the processes that launch them (Python, PjRt's execute, XLA's thunks)."""
   with jax.profiler.trace(logdir, create_perfetto_trace=True):
     run()
-  path = sorted(glob.glob(f'{logdir}/**/*.trace.json.gz', recursive=True))[-1]
+  path = sorted(glob.glob(f'{glob.escape(logdir)}/**/*.trace.json.gz', recursive=True))[-1]   # a spec's [...]
   with gzip.open(path) as f:
     events = json.load(f)['traceEvents']
   meta = lambda kind: {(e['pid'], e.get('tid')) if kind == 'thread_name' else e['pid']: e['args']['name']
