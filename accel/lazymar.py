@@ -67,7 +67,6 @@ Array = jax.Array
 OFFICIAL_ITERS = 64
 OFFICIAL_RATIOS = (1.0,) * 20 + (0.6,) + (0.5,) * 4 + (0.4,) * 5 + (0.15,) * 5 + (0.12,) * 5 + (0.05,) * 24
 _OFF = dict(encoder=False, decoder=False, condition=False, head=False)
-_LAYER_CACHES = {'encoder': ('enc_k', 'enc_v'), 'decoder': ('dec_k', 'dec_v')}   # a stack's per-block K/V
 
 # name -> (settings, where they come from)
 PRESETS = {
@@ -429,7 +428,7 @@ class LazyMAR(Presets, MARPolicy):
       both = jnp.concatenate([offset(info.pred_idx), offset(state['prev_pred'])], axis=1)
       it['zero'] = tile(_positions_mask(both, b.length))
     encoded = _positions_mask(enc_idx, b.length) if cached and self.encoder else known
-    return self._layer_caches(plan, {**state, 'it': it, 'encoded': encoded}, stacked=True)
+    return {**state, 'it': it, 'encoded': encoded}
 
   def block_hooks(self, site: Site, depth: int):
     """The encoder cache's hooks on the encoder, the token cache's on the decoder (None where the
@@ -477,17 +476,8 @@ class LazyMAR(Presets, MARPolicy):
 
   def end(self, plan: IterPlan, state: dict) -> dict:
     """Notes the iteration's predicted positions for the next one and drops its scratch values."""
-    rest = {k: v for k, v in self._layer_caches(plan, state, stacked=False).items() if k != 'it'}
+    rest = {k: v for k, v in state.items() if k != 'it'}
     return {**rest, 'prev_pred': state['it']['pred']}
-
-  def _layer_caches(self, plan: IterPlan, state: dict, stacked: bool) -> dict:
-    """In a sampler that scans some plans only (`IterPlan.scan`), whose caches hold one array per
-    block: the K/V caches of the plan's scanned stacks stacked on a layer axis for its scan
-    (stacked) or back to one array per block; otherwise the state as it is."""
-    if self._bound().scanned:
-      return state
-    names = [n for stack in plan.scan for n in _LAYER_CACHES[stack] if len(state.get(n, ()))]
-    return {**state, **{n: jnp.stack(state[n]) if stacked else tuple(state[n]) for n in names}}
 
   def head_cache(self, plan: IterPlan) -> Optional[HeadCache]:
     if not self.head:

@@ -320,16 +320,14 @@ def family_main(args) -> None:
   makers, reads, futures, order, xla = {}, {}, [], [], xla_variants(args.xla)
   with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
     variants = args.family_overrides.split(';')
-    for (model, config, specs), variant in itertools.product(family_configs(args), variants):
+    for (label, config, specs), variant in itertools.product(family_configs(args), variants):
       overrides = dict(cfg=3.0, num_iter=64, num_steps=100) if config.family == 'mar' else dict(cfg=1.5, num_steps=250)
       overrides.update(settings(variant))
-      label = f'{model} {variant}' if len(variants) > 1 else model
+      label = f'{label} {variant}' if len(variants) > 1 else label
       family = family_from_config(config, overrides=overrides)
       makes = {'': family.make, 'scan': sampling_from_config(config, {**overrides, 'scan_blocks': True}).make}
       params = {mode[1:]: makes[mode[1:]]().prepare(family.params) for mode in SCAN_MODES[args.scan]}
       names = sampler_names(specs, args.scan, len(xla))
-      if args.baseline_once and variant != variants[0]:
-        names = tuple(n for n in names if not n.startswith('baseline'))
       for batch, name in itertools.product(batches, names):
         spec, _, scan = name.split(' ')[0].partition('@')
         sample = makes[scan](policy_from_spec(spec, family.name))
@@ -342,7 +340,7 @@ def family_main(args) -> None:
         futures.append(compile_in(pool, (label, batch, name),
                                   sample.lower(params[scan], jax.random.key(0), labels, **family.opts),
                                   xla[int(name.partition(' xla')[2] or 0)]))
-        order.append((label, batch, name, model if args.baseline_once else label))
+        order.append((label, batch, name))
     compiled = dict(f.result() for f in futures)
   wait_for(args.wait_for)
   bandwidth = floors.hbm_bandwidth(args.copy_bytes)
@@ -350,10 +348,10 @@ def family_main(args) -> None:
         '| model | batch | policy | ms / batch | speed-up | memory floor ms | x floor | traffic floor ms | x traffic '
         '| peak MiB | compile s |\n' + '| --- ' * 11 + '|', flush=True)
   rows, base_ms = [], {}
-  for label, batch, spec, base_label in order:
+  for label, batch, spec in order:
     prog, compile_s = compiled[label, batch, spec]
     ms = time_calls(prog, makers[label, batch, spec], args.warmup, args.iters)
-    base = base_ms.setdefault((base_label, batch), ms)
+    base = base_ms.setdefault((label, batch), ms)
     floor_ms, traffic_ms = (floors.floor(r, bandwidth)['seconds'] * 1e3 for r in reads[label, batch, spec])
     rows.append(dict(model=label, batch=batch, policy=spec, ms=ms, speedup=base / ms, floor_ms=floor_ms,
                      traffic_floor_ms=traffic_ms, peak_mib=(peak_bytes(prog) or 0) / 2 ** 20, compile_s=compile_s))
@@ -392,8 +390,6 @@ def main():
   ap.add_argument('--ecar_sizes', default='', help="E-CAR sizes (S, B, L): time E-CAR's condition cache "
                   'instead of VAR')
   ap.add_argument('--ecar_presets', default=','.join(ECAR_PRESETS), help='ECARConditionCache presets')
-  ap.add_argument('--baseline_once', action='store_true', help='with several --family_overrides sets, the '
-                  "baseline of the first set only (each row's speed-up over it): for settings that leave it alone")
   ap.add_argument('--family_overrides', default='', help="sampling settings of every MAR and E-CAR sampler "
                   "('key=value,...', e.g. 'encoder_sizes=0'); ';'-separated sets compile and time each set's rows")
   ap.add_argument('--family_dtype', default='bfloat16', help='compute dtype of the MAR and E-CAR models')

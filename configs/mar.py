@@ -39,13 +39,11 @@ def _released(variant: str) -> ml_collections.ConfigDict:
   c.attn_backend = 'cudnn'
   # The paper's evaluation settings (256 iterations for FID; 64 is the fast setting); scan_blocks:
   # the encoder's and decoder's runs of alike blocks as one lax.scan each (compiles once per run);
-  # scan_rare: a stack's blocks scanned in the plans that run in at most this many iterations (0:
-  # none; a policy's rare plans, e.g. LazyMAR's refreshes); encoder_sizes: the encoder runs on the
-  # known positions, padded into at most this many lengths (each compiled once; 0: on every
-  # position, one length); see var_models/mar/sampler.py.
+  # encoder_sizes: the encoder runs on the known positions, padded into at most this many lengths
+  # (each compiled once; 0: on every position, one length, see var_models/mar/sampler.py).
   c.sample = ml_collections.ConfigDict(dict(
       num_iter=64, cfg=cfg, cfg_schedule='linear', temperature=1.0, num_diffusion_steps=100,
-      seed=0, batch_size=16, scan_blocks=False, scan_rare=dict(encoder=0, decoder=0), encoder_sizes=4))
+      seed=0, batch_size=16, scan_blocks=False, encoder_sizes=4))
   c.train = common.train_config(
       steps=common.steps_for_epochs(400, 2048), batch_size=2048, lr=1e-4 * 2048 / 256, b1=0.9, b2=0.95,
       weight_decay=0.02, warmup_steps=common.steps_for_epochs(100, 2048), schedule='constant',

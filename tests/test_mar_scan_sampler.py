@@ -63,39 +63,6 @@ def test_scanned_lazymar_makes_the_unrolled_decisions_and_tokens(params):
   np.testing.assert_allclose(aux_u['tokens'], aux_s['tokens'], rtol=1e-5, atol=1e-5)
 
 
-# 8 iterations: refreshes 0, 1, 5 (3), one cached plan of 5 (one decoder size).
-RARE = dict(TINY, refresh_start=1, refresh_every=4, ratios=(1.0, 1.0, 0.5, 0.5, 0.2, 0.2, 0.2, 0.2), decoder_sizes=1)
-
-
-@pytest.mark.parametrize('stacks', [('encoder',), ('encoder', 'decoder')])
-def test_lazymar_scanning_its_rare_refreshes_makes_the_unrolled_decisions_and_tokens(params, stacks):
-  samplers = [make_mar_sampler(CFG, VAE_CFG, num_iter=8, policy=LazyMAR(**RARE), record=True,
-                               scan_rare={s: 3 for s in stacks} if rare else None) for rare in (False, True)]
-  assert [p.scan for p in samplers[1].plans] == [stacks if p.tag == 'full' else () for p in samplers[0].plans]
-  (_, aux_u), (_, aux_r) = [s(s.prepare(params), jax.random.key(3), LABELS, cfg=3.0) for s in samplers]
-  for name in ('refresh', 'kept', 'encoded', 'pred'):
-    np.testing.assert_array_equal(aux_u['iterations'][name], aux_r['iterations'][name])
-  np.testing.assert_allclose(aux_u['tokens'], aux_r['tokens'], rtol=1e-5, atol=1e-5)
-
-
-def test_scan_rare_scans_the_plans_of_few_iterations_alone(params):
-  """The refresh plan's encoder as one run holds one block's qkv GEMM where the unrolled holds all;
-  the cached plan's stays unrolled."""
-  def qkv_dots(rare):
-    lowered = make_mar_sampler(CFG, VAE_CFG, num_iter=8, policy=LazyMAR(**RARE), scan_rare=rare).lower(
-        params, jax.random.key(0), LABELS, cfg=3.0)
-    lines = [ln for ln in lowered.as_text().splitlines() if 'stablehlo.dot_general' in ln]
-    return sum(ln.endswith(f'x{3 * CFG.encoder_embed_dim}xf32>') for ln in lines)
-  assert qkv_dots({'encoder': 3}) == qkv_dots(None) - (CFG.encoder_depth - 1)
-  assert qkv_dots({'encoder': 2}) == qkv_dots(None)
-
-
-@pytest.mark.parametrize('rare', [{'head': 3}, {'encoder': -1}, {'decoder': True}])
-def test_scan_rare_outside_the_stacks_or_counts_is_an_error(rare):
-  with pytest.raises(ValueError, match='scan_rare must map stacks'):
-    make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, scan_rare=rare)
-
-
 @pytest.mark.parametrize('scanned', [False, True])
 def test_lazymar_keeps_a_kv_array_per_block_unrolled_and_one_stack_scanned(scanned):
   """Unrolled, a cached iteration scatters into and attends over each block's own K/V in place; a
@@ -151,10 +118,6 @@ def test_the_config_and_its_override_choose_the_scan():
   config = mar_configs.get_config('tiny')
   assert sampling_from_config(config).settings['scan_blocks'] is False
   assert sampling_from_config(config, {'scan_blocks': True}).settings['scan_blocks'] is True
-  assert sampling_from_config(config).settings['scan_rare'] == {'encoder': 0, 'decoder': 0}
-  config.sample.scan_rare.encoder = 11
-  assert sampling_from_config(config).settings['scan_rare'] == {'encoder': 11, 'decoder': 0}
-  assert sampling_from_config(config, {'scan_rare': {'decoder': 2}}).settings['scan_rare'] == {'decoder': 2}
 
 
 def test_scan_blocks_is_a_flag_of_every_family_and_num_iter_of_mar_alone():

@@ -19,8 +19,6 @@ and MAR's extensions:
   - `plan(num_iter)`: one `IterPlan` per iteration of the bound schedule: whether the
     unconditional half of the CFG batch runs, and a static tag of the policy's own (say, how
     many tokens the decoder forwards); equal plans share one compiled branch of the scan body;
-    the sampler then sets each plan's `scan` (which of its stacks run as a scan), which a policy
-    whose state keeps per-block caches reads in `begin` and `end`;
   - `begin`: to note the iteration's facts (which tokens are still unknown, which ones it
     predicts) in the policy's state;
   - `decoder_input`: the decoder's input to run (e.g. cached rows where the encoder output
@@ -58,9 +56,6 @@ class IterPlan:
   # encoder hooks cache per position asks for it); else the buffer and the known positions
   # gathered, padded to a static length.
   every_position: bool = False
-  # The stacks ('encoder', 'decoder') whose runs of alike blocks run as one `lax.scan` each: the
-  # sampler's choice (its `scan_blocks` and `scan_rare`), set on the policy's plans when it is made.
-  scan: tuple[str, ...] = ()
 
 
 class Site(NamedTuple):

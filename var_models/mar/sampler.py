@@ -45,19 +45,10 @@ model part (each plan compiled once, however often the schedule alternates betwe
 them), then to its head cache's sampling loop (each distinct cache compiled once).
 The weights are cast to the compute dtype, stacked for the scanned blocks and merged
 for the head's adaLN once per call, outside the loop.
-
-Which blocks run as a scan is chosen per plan and stack (`IterPlan.scan`): every plan's
-with `scan_blocks`; with `scan_rare` {stack: n}, that stack's in the plans that run in at
-most n iterations. A scanned plan compiles one block per run of alike blocks where an
-unrolled one compiles every block, and at batch 1 its iterations run slower (a loop over
-layers overlaps no kernels across layers, and copies the slices of stacked weights that
-its GEMMs cannot read in place; benchmarks/RESULTS.md): scanning the plans that run few
-iterations (LazyMAR's refreshes: 11 of 64) saves most of their compile for little time.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 from typing import Optional
 
@@ -126,16 +117,15 @@ def _switch(xs, name: str, choices: list, make):
 class _MARSampler:
   def __init__(self, mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, num_iter: int, guided: bool,
                num_diffusion_steps: Optional[int], policy: MARPolicy, record: bool, scan_blocks: bool,
-               scan_rare: Optional[dict], encoder_sizes: Optional[int]):
+               encoder_sizes: Optional[int]):
     self.mar_cfg, self.guided, self.record, self.scan_blocks = mar_cfg, guided, record, scan_blocks
     self.model, self.vae = MAR(mar_cfg), AutoencoderKL(vae_cfg)
     self.head = diffloss_net(mar_cfg)
     self.diffusion = create_diffusion(num_diffusion_steps or mar_cfg.num_sampling_steps)
     self.schedule = MARSchedule(mask_schedule(mar_cfg.seq_len, num_iter), self.diffusion.num_timesteps)
     self.policy = policy = policy.bind(Binding(mar_cfg, self.schedule, guided, scanned=scan_blocks))
-    plans = policy.plan(num_iter)
-    check_plans(plans, num_iter)
-    self.plans = _scanned_plans(plans, scan_blocks, scan_rare)
+    self.plans = policy.plan(num_iter)
+    check_plans(self.plans, num_iter)
     self.head_caches = tuple(policy.head_cache(p) for p in self.plans)
     self.encoder_lengths = self._encoder_lengths(encoder_sizes)
     self.vae_scale = vae_cfg.scaling_factor
@@ -148,10 +138,9 @@ class _MARSampler:
     return self._jitted(*args, **static)
 
   def prepare(self, params) -> dict:
-    """`params` as this sampler reads them, made once where they are loaded: with `scan_blocks`, the
-    encoder's and the decoder's blocks stacked (`scan.stack_blocks`), which it would otherwise do on
-    every call; else as they are (with `scan_rare`, the unrolled plans read the blocks as they are
-    and the scanned ones a stack made once per call). Either layout samples the same images."""
+    """`params` as this sampler reads them, made once where they are loaded: scanned, the encoder's
+    and the decoder's blocks stacked (`scan.stack_blocks`), which it would otherwise do on every
+    call; unrolled, as they are. Either layout samples the same images."""
     if not self.scan_blocks:
       return params
     return {**params, 'mar': stack_blocks(params['mar'], ('encoder_blocks', 'decoder_blocks'))}
@@ -207,7 +196,7 @@ class _MARSampler:
     mp, mc = {'params': params['mar']}, self.mar_cfg
     x = self.model.apply(mp, tokens, class_emb, method=MAR.encoder_input)
     hooks = self.policy.block_hooks(Site(plan, 'encoder'), mc.encoder_depth)
-    run = functools.partial(self.model.apply, mp, hooks=hooks, state=state, scan='encoder' in plan.scan,
+    run = functools.partial(self.model.apply, mp, hooks=hooks, state=state, scan=self.scan_blocks,
                             stacked=stacked.get('encoder'), method=MAR.run_encoder)
     if length is None:
       x, state = run(x, key_mask(mc, mask))
@@ -219,13 +208,12 @@ class _MARSampler:
     return self.model.apply(mp, x, None, positions, method=MAR.decoder_input), state
 
   def _prepared(self, params, heads: list):
-    """(params with the blocks' and the head's Dense weights in the compute dtype, the blocks'
-    stacks ({} when no plan scans), {head cache: its `head_adaln`} of the distinct `heads`): made
+    """(params with the blocks' and the head's Dense weights in the compute dtype, the scanned
+    blocks' stacks ({} unrolled), {head cache: its `head_adaln`} of the distinct `heads`): made
     once per call, outside the iteration loop (XLA moves none of it out of the loop)."""
     mar = block_views({k: dense_params_in(v, self.mar_cfg.dtype) if k.startswith(_CAST) else v
                        for k, v in params['mar'].items()})
-    scans = any(p.scan for p in self.plans)
-    stacked = self.model.apply({'params': mar}, method=MAR.stacked_blocks) if scans else {}
+    stacked = self.model.apply({'params': mar}, method=MAR.stacked_blocks) if self.scan_blocks else {}
     adaln = {c: head_adaln(self.head, mar['diffloss'], c, self.diffusion.num_timesteps) for c in heads}
     return {**params, 'mar': mar}, stacked, adaln
 
@@ -299,7 +287,7 @@ class _MARSampler:
     x, state = encode(None)() if plan.every_position or not lengths else _switch(xs, 'encoder', lengths, encode)
     x, state = policy.decoder_input(plan, x, state)
     x, state = self.model.apply(mp, x, policy.block_hooks(Site(plan, 'decoder'), mc.decoder_depth), state,
-                                scan='decoder' in plan.scan, stacked=stacked.get('decoder'), method=MAR.run_decoder)
+                                scan=self.scan_blocks, stacked=stacked.get('decoder'), method=MAR.run_decoder)
     if self.guided:
       x, state = self._guide(plan, x, state)
     z = self.model.apply(mp, x, method=MAR.decoder_output)
@@ -351,33 +339,17 @@ class _MARSampler:
     return out[:z.shape[0] // 2] if self.guided else out
 
 
-STACKS = ('encoder', 'decoder')
-
-
-def _scanned_plans(plans, every: bool, rare: Optional[dict]) -> tuple[IterPlan, ...]:
-  """The policy's plans with `scan` set: every stack with `every`, else the stacks s of rare {s: n}
-  in the plans that run in at most n of the iterations."""
-  rare = dict(rare or {})
-  wrong = {k: v for k, v in rare.items() if k not in STACKS or isinstance(v, bool) or not isinstance(v, int) or v < 0}
-  if wrong:
-    raise ValueError(f'scan_rare must map stacks {STACKS} to iteration counts >= 0, got {wrong}')
-  counts = collections.Counter(plans)
-  stacks = lambda p: STACKS if every else tuple(s for s in STACKS if counts[p] <= rare.get(s, 0))
-  return tuple(dataclasses.replace(p, scan=stacks(p)) for p in plans)
-
-
 def make_mar_sampler(mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, *, num_iter: int = 64,
                      guided: bool = True, num_diffusion_steps: Optional[int] = None,
                      policy: Optional[MARPolicy] = None, record: bool = False, scan_blocks: bool = False,
-                     scan_rare: Optional[dict] = None, encoder_sizes: Optional[int] = 4):
+                     encoder_sizes: Optional[int] = 4):
   """A pure, jit-compiled MAR sampler `sample(params, key, labels, *, cfg, cfg_schedule,
   temperature, orders, noises, forced_tokens) -> (images, aux)`. `guided` (static) doubles the
   batch for CFG; `policy` chooses what each iteration computes (the baseline: everything);
   `record` adds aux['iterations'] (see the module docstring); `scan_blocks`: the encoder's and
   the decoder's runs of alike blocks (no hooks, or a policy's hooks of one `scan_group`) as one
   `lax.scan` each (`MAR.run_encoder`): the program holds a block per run, not per block;
-  `scan_rare` {'encoder' and/or 'decoder': n}: that stack scanned in the plans that run in at most
-  n iterations, the others unrolled (see the module docstring); `encoder_sizes`: the encoder's lengths compiled (the known positions padded into at most this
+  `encoder_sizes`: the encoder's lengths compiled (the known positions padded into at most this
   many; None: every position at one length, see the module docstring)."""
   return _MARSampler(mar_cfg, vae_cfg, num_iter, guided, num_diffusion_steps, policy or BASELINE, record,
-                     scan_blocks, scan_rare, encoder_sizes)
+                     scan_blocks, encoder_sizes)

@@ -40,10 +40,7 @@ class Binding:
   model: Any       # the family's model config: VARConfig, MARConfig, ECARConfig
   schedule: Any    # VAR's ScaleSchedule, MAR's MARSchedule (mar/schedule.py), E-CAR's Euler steps per stage
   guided: bool     # classifier-free guidance: the sampler runs a [cond; uncond] doubled batch
-  # Every block run as a scan (runs of alike blocks): a block's state is indexed by a traced layer. A
-  # MAR sampler that scans some plans only (`IterPlan.scan`) binds False and its policy stacks the
-  # state of a scanned plan's blocks in that plan alone.
-  scanned: bool = False
+  scanned: bool = False   # runs of alike blocks as one scan: a block's state indexed by a traced layer
 
 
 class Halves(NamedTuple):
