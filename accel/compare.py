@@ -76,6 +76,10 @@ def main(argv):
   family = sampling.with_params(sampling.load(sf.CKPT.value, jax.random.key(0)))
   lpips_params = metrics.load_lpips(_LPIPS.value) if _LPIPS.value else None
   print(f'device: {jax.devices()[0].device_kind}; {len(seeds)} images, batch {batch}, {family.options}', flush=True)
+  if not sf.CKPT.value:
+    print('random weights (no --ckpt): the times and memory hold, the fidelity columns do not (the official '
+          "initialisations zero the output layers: MAR's diffusion head, say, then draws the same images under "
+          'every policy)', flush=True)
   print(compare(family, policies, seeds, labels, batch, _OUT.value, lpips_params, _GRID.value, _WORKERS.value))
 
 

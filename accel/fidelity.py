@@ -7,7 +7,7 @@ Per image, PSNR, SSIM and LPIPS (given LPIPS params) of each accelerated image a
 for VAR, per scale, the fraction of equal token ids; per sampler, the median latency of a call (after a
 warm-up call), compile time and XLA's peak memory. The programs compile `workers` at a time (XLA runs
 most of a compile on one thread, so side by side they overlap), then each sampler runs alone. Writes
-summary.md, POLICY.json and POLICY.png under `out` (see accel/compare.py).
+summary.md, POLICY.json and POLICY.png under `out` (see accel/compare.py; POLICY is the spec as `file_name` writes it).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 import statistics
 from typing import Any, Optional
 
@@ -132,6 +133,12 @@ TABLE_HEAD = ('| policy | images | identical | PSNR dB (others) | SSIM | LPIPS |
               'compile s (base / acc) |\n' + '| --- ' * 13 + '|')
 
 
+def file_name(spec: str) -> str:
+  """A policy spec as a file name without characters a shell reads: 'fastvar:infinity_2b[blocks=(3, 4)]' ->
+  'fastvar_infinity_2b_blocks=_3_4', 'a+b' -> 'a__b'."""
+  return re.sub(r'[^\w.=-]+', '_', spec.replace('+', '__')).strip('_')
+
+
 def compare(family: Family, policies: dict, seeds: list[int], labels: np.ndarray, batch: int, out: str,
             lpips_params=None, grid: int = 16, workers: int = 4) -> str:
   """Runs the baseline and each policy (their programs compiled `workers` at a time); writes
@@ -142,7 +149,7 @@ def compare(family: Family, policies: dict, seeds: list[int], labels: np.ndarray
   for spec, acc in zip(policies, runs):
     m = metrics.summarise(base.images, acc.images, lpips_params)
     m['agreement'] = None if base.indices is None else metrics.token_agreement(base.indices, acc.indices)
-    name = spec.replace(':', '_').replace('+', '__')
+    name = file_name(spec)
     save_pairs(base.images[:grid], acc.images[:grid], os.path.join(out, f'{name}.png'))
     record = {'policy': spec, 'seeds': seeds, 'labels': labels.tolist(), 'options': family.options, 'batch': batch,
               **{k: (None if v is None else np.asarray(v).tolist()) for k, v in m.items()},

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from accel import ECARConditionCache, FastVAR, LazyMAR, metrics
-from accel.fidelity import compare, parse_seeds, run_samplers
+from accel.fidelity import compare, file_name, parse_seeds, run_samplers
 from sampling import family_from_config
 from accel.specs import policy_from_spec
 from configs import ecar as ecar_configs
@@ -78,6 +78,12 @@ def test_compare_on_a_tiny_model_writes_table_pairs_and_per_image_figures(tmp_pa
   grid = np.asarray(Image.open(tmp_path / 'fastvar_tiny.png'))
   assert grid.shape[0] == 32 + 4 and grid.shape[1] == 4 * (2 * 32 + 12)
   assert os.path.exists(tmp_path / 'summary.md')
+
+
+def test_a_policy_spec_names_its_files_without_shell_characters():
+  assert file_name('fastvar:infinity_2b[blocks=(3, 4)]') == 'fastvar_infinity_2b_blocks=_3_4'
+  assert file_name('lazymar:official[decoder_sizes=1]') == 'lazymar_official_decoder_sizes=1'
+  assert file_name('fastvar:var256+lazyvar:var256') == 'fastvar_var256__lazyvar_var256'
 
 
 def test_samplers_compiled_side_by_side_sample_what_they_sample_compiled_one_at_a_time():
