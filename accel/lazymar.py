@@ -40,16 +40,17 @@ merged into at most `decoder_sizes` (`merge_sizes`: the fewest padded rows), eac
 body of the iteration loop; padding rows and the padded predicted positions carry the
 out-of-range index L (gathered as NaN rows, dropped when scattered), so they change the work, not
 the outputs. MAR-H at 64 iterations has 7 sizes; at batch 1, where a cached pass reads its
-weights whatever its rows, one size runs as fast as four and halves the unrolled compile
-(`lazymar:official[decoder_sizes=1]`: 32 s against 66-70 on an H200); at batch 16 four are 1.11x
-faster, and stay the default (benchmarks/RESULTS.md).
+weights whatever its rows, one size runs as fast as four (0.99-1.01x) and halves the unrolled
+compile (27-33 s against 60-70 on an H200); at batch 16 four are 1.11x faster
+(benchmarks/RESULTS.md). So `decoder_sizes='auto'` (the default) is 1 for a sampler called with
+one sample and 4 otherwise (the sampler binds the policy per batch, `Binding.batch`).
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import math
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -278,7 +279,8 @@ class LazyMAR(Presets, MARPolicy):
     encoder, decoder, condition, head -- which caches run;
     similarity_block  -- the decoder block whose V similarity selects the kept positions;
     extra_tokens      -- kept beyond this and the previous iteration's predictions;
-    decoder_sizes     -- at most this many kept counts compiled (None: one per ratio); outputs unchanged;
+    decoder_sizes     -- at most this many kept counts compiled (None: one per ratio; 'auto': 1 at batch 1,
+                         else 4); outputs unchanged;
     head_interval, head_warm, head_skip -- the head cache's full steps, MLP warm-up, skipped blocks;
     scaled            -- map the 64-iteration constants onto the sampler's iteration count;
     source            -- where the setting comes from (presets say).
@@ -294,7 +296,7 @@ class LazyMAR(Presets, MARPolicy):
   head: bool = True
   similarity_block: int = 3
   extra_tokens: int = 15
-  decoder_sizes: Optional[int] = 4
+  decoder_sizes: Union[int, str, None] = 'auto'
   head_interval: int = 7
   head_warm: float = 0.9
   head_skip: tuple[int, ...] = (1, 2, 3, 4)
@@ -306,8 +308,9 @@ class LazyMAR(Presets, MARPolicy):
     for name in ('refresh_start', 'refresh_every', 'head_interval'):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
         raise setting_error(self, name, f'must be an int >= 1, got {getattr(self, name)!r}')
-    if self.decoder_sizes is not None and (not isinstance(self.decoder_sizes, int) or self.decoder_sizes < 1):
-      raise setting_error(self, 'decoder_sizes', f'must be None or an int >= 1, got {self.decoder_sizes!r}')
+    sizes = self.decoder_sizes
+    if sizes not in (None, 'auto') and (isinstance(sizes, bool) or not isinstance(sizes, int) or sizes < 1):
+      raise setting_error(self, 'decoder_sizes', f"must be None, 'auto' or an int >= 1, got {sizes!r}")
     for name in ('similarity_block', 'extra_tokens'):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
         raise setting_error(self, name, f'must be an int >= 0, got {getattr(self, name)!r}')
@@ -364,7 +367,8 @@ class LazyMAR(Presets, MARPolicy):
       if not refresh[s]:
         most[self.ratios[s]] = max(most.get(self.ratios[s], 0), keep[s])
     cached = [most[self.ratios[s]] for s in range(num_iter) if not refresh[s]]
-    padded = merge_sizes(collections.Counter(cached), self.decoder_sizes)
+    sizes = self.decoder_sizes if self.decoder_sizes != 'auto' else (1 if binding.batch == 1 else 4)
+    padded = merge_sizes(collections.Counter(cached), sizes)
     bucket = tuple(length if refresh[s] else padded[most[self.ratios[s]]] for s in range(num_iter))
     return dataclasses.replace(self, bound=_Bound(
         length=length, buffer=cfg.buffer_size, max_pred=sched.max_pred, refresh=refresh,

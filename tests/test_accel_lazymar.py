@@ -102,6 +102,16 @@ def test_decoder_sizes_merged_into_one_change_the_plans_not_the_outputs(params):
     np.testing.assert_array_equal(one['iterations'][name], each['iterations'][name])
 
 
+def test_auto_decoder_sizes_compile_one_cached_size_at_batch_one_and_four_above(params):
+  """'auto' (the default) binds per batch: one cached size for a single sample, the outputs those of four."""
+  auto, four = (make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, policy=LazyMAR(**TINY, **n), record=True)
+                for n in ({}, dict(decoder_sizes=4)))
+  assert [len(set(auto.program(b).plans)) for b in (1, 2)] == [2, 3] and len(set(auto.plans)) == 3
+  one, each = (s(params, jax.random.key(3), LABELS[:1], cfg=3.0)[1] for s in (auto, four))
+  np.testing.assert_array_equal(one['tokens'], each['tokens'])
+  np.testing.assert_array_equal(one['iterations']['kept'], each['iterations']['kept'])
+
+
 def test_merged_sizes_pad_the_fewest_rows_in_at_most_the_groups_asked():
   counts = {28: 21, 38: 5, 48: 4, 128: 5, 160: 3, 192: 1, 320: 13}   # MAR-H's cached iterations at 64
   assert merge_sizes(counts, 4) == {28: 28, 38: 48, 48: 48, 128: 160, 160: 160, 192: 320, 320: 320}
@@ -258,7 +268,7 @@ def test_settings_that_do_not_fit_the_sampler_fail_when_it_is_made(settings, num
 @pytest.mark.parametrize('settings,message', [
     (dict(refresh_every=0), 'LazyMAR.refresh_every'), (dict(ratios=(1.2,)), 'LazyMAR.ratios'),
     (dict(head_warm=2.0), 'LazyMAR.head_warm'), (dict(head_skip=(1, 1)), 'LazyMAR.head_skip'),
-    (dict(decoder_sizes=0), 'LazyMAR.decoder_sizes'),
+    (dict(decoder_sizes=0), 'LazyMAR.decoder_sizes'), (dict(decoder_sizes='one'), 'LazyMAR.decoder_sizes'),
 ])
 def test_bad_settings_name_their_field(settings, message):
   with pytest.raises(ValueError, match=message):

@@ -49,6 +49,7 @@ for the head's adaLN once per call, outside the loop.
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 from typing import Optional
 
@@ -123,13 +124,29 @@ class _MARSampler:
     self.head = diffloss_net(mar_cfg)
     self.diffusion = create_diffusion(num_diffusion_steps or mar_cfg.num_sampling_steps)
     self.schedule = MARSchedule(mask_schedule(mar_cfg.seq_len, num_iter), self.diffusion.num_timesteps)
-    self.policy = policy = policy.bind(Binding(mar_cfg, self.schedule, guided, scanned=scan_blocks))
-    self.plans = policy.plan(num_iter)
-    check_plans(self.plans, num_iter)
-    self.head_caches = tuple(policy.head_cache(p) for p in self.plans)
-    self.encoder_lengths = self._encoder_lengths(encoder_sizes)
+    self.num_iter, self.encoder_sizes, self.unbound, self._programs = num_iter, encoder_sizes, policy, {}
+    self._bind(None)
     self.vae_scale = vae_cfg.scaling_factor
     self._jitted = jax.jit(self._sample, static_argnames=('cfg_schedule',))
+
+  def _bind(self, batch: Optional[int]) -> None:
+    """Binds the policy (to `batch` samples a call, or None: not known) and sets what follows from
+    it: `policy`, its `plans`, `head_caches` and the encoder's lengths."""
+    binding = Binding(self.mar_cfg, self.schedule, self.guided, scanned=self.scan_blocks, batch=batch)
+    self.policy = policy = self.unbound.bind(binding)
+    self.plans = policy.plan(self.num_iter)
+    check_plans(self.plans, self.num_iter)
+    self.head_caches = tuple(policy.head_cache(p) for p in self.plans)
+    self.encoder_lengths = self._encoder_lengths(self.encoder_sizes)
+
+  def program(self, batch: int) -> '_MARSampler':
+    """This sampler with its policy bound to `batch` samples a call: what a call of that batch
+    runs (a policy may plan by the batch, e.g. LazyMAR's `decoder_sizes='auto'`); made once per
+    batch. The sampler's own `policy` and `plans` are the binding without a batch."""
+    if batch not in self._programs:
+      self._programs[batch] = copy.copy(self)
+      self._programs[batch]._bind(batch)
+    return self._programs[batch]
 
   def __call__(self, params, key, labels, *, cfg: float = 1.0, cfg_schedule: str = 'linear',
                temperature: float = 1.0, orders=None, noises=None, forced_tokens=None):
@@ -160,7 +177,8 @@ class _MARSampler:
   def _checked(self, params, key, labels, cfg, cfg_schedule, temperature, orders, noises, forced):
     """Validates the arguments (before anything compiles) -> (traced args, static kwargs)."""
     check_mar_sample_args(self.mar_cfg, labels, cfg, self.guided, cfg_schedule, temperature)
-    b, (n, d), num_iter = len(labels), (self.mar_cfg.seq_len, self.mar_cfg.token_embed_dim), len(self.plans)
+    b, (n, d), num_iter = len(labels), (self.mar_cfg.seq_len, self.mar_cfg.token_embed_dim), self.num_iter
+    self.program(b)   # the policy's settings that do not fit this batch fail here, before tracing
     if orders is not None and (np.shape(orders) != (b, n) or
                                (np.sort(np.asarray(orders), axis=1) != np.arange(n)).any()):
       raise ValueError(f'orders must be one permutation of range({n}) per sample [{b}, {n}]')
@@ -218,6 +236,9 @@ class _MARSampler:
     return {**params, 'mar': mar}, stacked, adaln
 
   def _sample(self, params, key, labels, cfg, temperature, draws=None, *, cfg_schedule):
+    return self.program(labels.shape[0])._run(params, key, labels, cfg, temperature, draws, cfg_schedule)
+
+  def _run(self, params, key, labels, cfg, temperature, draws, cfg_schedule):
     draws = draws or dict(orders=None, noises=None, forced=None)
     mc = self.mar_cfg
     # The distinct plans' model parts, their encoder at each distinct length, and the distinct head

@@ -41,6 +41,7 @@ class Binding:
   schedule: Any    # VAR's ScaleSchedule, MAR's MARSchedule (mar/schedule.py), E-CAR's Euler steps per stage
   guided: bool     # classifier-free guidance: the sampler runs a [cond; uncond] doubled batch
   scanned: bool = False   # runs of alike blocks as one scan: a block's state indexed by a traced layer
+  batch: Optional[int] = None   # samples a call (MAR's sampler binds once per batch it is called with)
 
 
 class Halves(NamedTuple):
