@@ -1,9 +1,10 @@
 """Sampling policies of MAR: what each iteration computes, forwards and caches.
 
 `MARPolicy` is the core `var_models.nn.policy.Policy` as MAR asks it. The MAR sampler binds its
-policy once, when it is built, to `Binding(model=MARConfig, schedule=MARSchedule
-(mar/schedule.py: the mask schedule and the head's diffusion step count), guided=the CFG flag)`
-(settings that do not fit them are an error before anything compiles), runs its iterations as
+policy when it is built, to `Binding(model=MARConfig, schedule=MARSchedule (mar/schedule.py: the
+mask schedule and the head's diffusion step count), guided=the CFG flag)`, and again for each batch
+size it is called with (`batch` set; the plans may depend on it) (settings that do not fit them are
+an error before anything compiles), runs its iterations as
 one `lax.scan` whose body switches between the distinct static *plans* for the model part and
 between the distinct head caches for the diffusion head, and carries the policy's state (its
 caches, a pytree; `init_state(batch)`, batch = B samples) through the scan. At every iteration it

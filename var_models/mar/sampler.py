@@ -37,14 +37,15 @@ share the diffusion noise, eps = eps_u + s * (eps_c - eps_u), and s is 'linear'
 
 A `policy` (`var_models.mar.policy.MARPolicy`; LazyMAR is one), bound when the
 sampler is built to the config, its `MARSchedule` (`var_models.mar.schedule`) and
-the guidance flag, chooses per iteration which tokens each encoder and decoder
-block forwards, what they attend to and restore from its caches, and whether the
-unconditional half runs (its `guide` then makes it). The iterations run as one
-scan; with several distinct static plans, its body switches to the iteration's
-model part (each plan compiled once, however often the schedule alternates between
-them), then to its head cache's sampling loop (each distinct cache compiled once).
-The weights are cast to the compute dtype, stacked for the scanned blocks and merged
-for the head's adaLN once per call, outside the loop.
+the guidance flag (and again for each batch size it is called with, `program`),
+chooses per iteration which tokens each encoder and decoder block forwards, what
+they attend to and restore from its caches, and whether the unconditional half
+runs (its `guide` then makes it). The iterations run as one scan; with several
+distinct static plans, its body switches to the iteration's model part (each plan
+compiled once, however often the schedule alternates between them), then to its
+head cache's sampling loop (each distinct cache compiled once). The weights are
+cast to the compute dtype, stacked for the scanned blocks and merged for the
+head's adaLN once per call, outside the loop.
 """
 from __future__ import annotations
 
