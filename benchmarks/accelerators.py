@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sampling import compilation_cache
-from accel.fidelity import peak_bytes
+from accel.fidelity import file_name, peak_bytes
 from accel.lazymar_flops import lazymar_sampling_flops, official_extra
 from accel.specs import policy_from_spec, split_specs
 from accel.timing import compile_in
@@ -359,7 +359,7 @@ def family_main(args) -> None:
           f"{traffic_ms:.1f} | {ms / traffic_ms:.2f}x | {rows[-1]['peak_mib']:.0f} | {compile_s:.1f} |", flush=True)
     if args.profile and batch == batches[0]:
       print_top_device_ops(lambda: jax.block_until_ready(prog(*makers[label, batch, spec](7))),
-                           os.path.join(args.profile, f"{label}_b{batch}_{spec.replace(':', '_')}"))
+                           os.path.join(args.profile, file_name(f'{label}_b{batch}_{spec}')))
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(rows, f, indent=1)
@@ -432,7 +432,7 @@ def main():
     for spec in names if args.profile and batch == batches[0] else ():
       split = [f'{model} B={batch} {spec} profile (decoder alone {dec_ms:.2f} ms, compile {dec_compile:.1f} s):']
       split += profile_split(compiled[model, batch, spec][0], makers[model, batch, spec],
-                             os.path.join(args.profile, f"{model}_b{batch}_{spec.replace(':', '_').replace(' ', '_')}"),
+                             os.path.join(args.profile, file_name(f'{model}_b{batch}_{spec}')),
                              var_cfg.schedule.num_scales, var_cfg.depth)
       notes += split
       print('\n'.join(split), flush=True)
