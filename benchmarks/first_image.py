@@ -8,7 +8,7 @@ tracing and lowering, XLA's compile, the first call and a later one.
 One sampler per process (`accelerators.sampler_names` spells it: a policy spec, '@scan' for its blocks
 as a scan), so nothing compiled earlier in the process (XLA's in-process autotuning results
 included) shortens its compile: the figures are what a researcher's first command waits. A scanned
-sampler compiles with its own XLA options (`var_models.var.sampler.SCAN_COMPILER_OPTIONS`). With the
+sampler compiles with its own XLA options (`var_models.nn.blocks.CUBLAS_GEMMS`). With the
 persistent compilation cache on (the default), a second run of the same command loads the program
 and XLA's autotuning results from it; --compilation_cache= measures a cold start.
 """

@@ -37,7 +37,7 @@ from ecar.model import ECAR
 from ecar.policy import BASELINE, FlowStep, StagePolicy
 from var_models.nn import tokens as tok
 from var_models.nn.attention import KVCache, LayerKVCaches
-from var_models.nn.blocks import adaln_ahead_pays, dense_params_in
+from var_models.nn.blocks import CUBLAS_GEMMS, adaln_ahead_pays, dense_params_in
 from var_models.nn.checks import check_labels
 from var_models.nn.policy import Binding, Halves
 from var_models.nn.scan import block_views, stack_blocks
@@ -77,7 +77,7 @@ class _Sampler:
     self.policy = policy.bind(Binding(model=ecar_cfg, schedule=steps, guided=True, scanned=scan_blocks))
     self.model, self.flow = ECAR(ecar_cfg), ecar_cfg.flow
     self.return_intermediates = return_intermediates
-    self._jitted = jax.jit(self._sample)
+    self._jitted = jax.jit(self._sample, compiler_options=CUBLAS_GEMMS)
 
   def __call__(self, params, key: Array, labels, *, cfg: float = 1.5):
     return self._jitted(*self._checked(params, key, labels, cfg))

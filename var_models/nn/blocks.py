@@ -191,6 +191,14 @@ def merged_dense(y: Array, merged: tuple[Array, Array], dtype) -> Array:
 ADALN_AHEAD_MAX_ROWS = 128
 
 
+# XLA's options for the samplers whose GEMMs run on few rows or on a loop's slices of stacked weights
+# (E-CAR's samplers, VAR's scanned ones): cuBLAS for every GEMM, none autotuned as a Triton fusion.
+# They compile in about half the time and run as fast or faster (benchmarks/RESULTS.md, "Issue 39's
+# targets" and "E-CAR's samplers on cuBLAS"); other backends ignore them. MAR's sampler keeps XLA's
+# defaults: without Triton's GEMMs it runs 1.3-1.4x slower.
+CUBLAS_GEMMS = {'xla_gpu_enable_triton_gemm': False}
+
+
 def adaln_ahead_pays(rows: int) -> bool:
   """Whether a loop whose denoiser calls run on `rows` rows computes its adaLN outputs ahead."""
   return rows <= ADALN_AHEAD_MAX_ROWS

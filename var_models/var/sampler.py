@@ -22,6 +22,7 @@ import numpy as np
 
 from var_models.nn import tokens as tok
 from var_models.nn.attention import KVCache, LayerKVCaches
+from var_models.nn.blocks import CUBLAS_GEMMS
 from var_models.nn.checks import check_labels
 from var_models.nn.resample import area_resize
 from var_models.nn.scan import block_views, stack_blocks
@@ -96,12 +97,6 @@ def _step_inputs(model: VAR, vp, step: Step, cond2: Array, f_hat: Array) -> Arra
   return jnp.concatenate(parts, axis=1)
 
 
-# XLA's options for a scanned sampler: cuBLAS for every GEMM, none autotuned as a Triton fusion. The
-# Infinity-2B-shape samplers then compile in 20-22 s instead of 48.5 s cold and run within 3 % of
-# the defaults (benchmarks/RESULTS.md, "Issue 39's targets"); ignored by other backends.
-SCAN_COMPILER_OPTIONS = {'xla_gpu_enable_triton_gemm': False}
-
-
 class _Sampler:
   """Holds the static parts (models, schedule, policy); `__call__` is the public sampler."""
 
@@ -117,7 +112,7 @@ class _Sampler:
     self.return_fhats, self.return_logits = return_fhats, return_logits
     self.scan_blocks = scan_blocks
     self._jitted = jax.jit(self._sample, static_argnames=('top_k', 'top_p'),
-                           compiler_options=SCAN_COMPILER_OPTIONS if scan_blocks else None)
+                           compiler_options=CUBLAS_GEMMS if scan_blocks else None)
 
   def __call__(self, params, key: Array, labels, *, cfg: float = 1.5, top_k: int = 0,
                top_p: float = 1.0):
@@ -242,6 +237,6 @@ def make_sampler(var_cfg: VARConfig, vq_cfg: VQVAEConfig, policy: Optional[Scale
   `scan_blocks`: the KV caches stacked on a layer axis, and each scale's runs of alike blocks (no
   hooks, or a policy's hooks of one `scan_group`) as one `lax.scan` (`VAR.run_blocks`): the program
   holds a block per run, not per block, and compiles that much faster; the images are the unrolled
-  sampler's. It compiles with `SCAN_COMPILER_OPTIONS`. benchmarks/RESULTS.md has its cost at run time.
+  sampler's. It compiles with cuBLAS GEMMs (`blocks.CUBLAS_GEMMS`). benchmarks/RESULTS.md has its cost at run time.
   """
   return _Sampler(var_cfg, vq_cfg, policy or BASELINE, return_fhats, return_logits, scan_blocks)
