@@ -195,7 +195,7 @@ ADALN_AHEAD_MAX_ROWS = 128
 # (E-CAR's samplers, VAR's scanned ones): cuBLAS for every GEMM, none autotuned as a Triton fusion.
 # They compile in about half the time and run as fast or faster (benchmarks/RESULTS.md, "Issue 39's
 # targets" and "E-CAR's samplers on cuBLAS"); other backends ignore them. MAR's sampler keeps XLA's
-# defaults: without Triton's GEMMs it runs 1.3-1.4x slower.
+# defaults (without Triton's GEMMs it runs 1.3-1.4x slower), and so do the train steps (1 % slower).
 CUBLAS_GEMMS = {'xla_gpu_enable_triton_gemm': False}
 
 
