@@ -1,6 +1,6 @@
-"""pallas_kernels: block-sparse cross-scale attention, gathered-key attention, attention column
-sums per query group, top-k selection, top-k token gather/scatter, dense + GELU, a dense layer
-of weights stacked on a layer axis.
+"""pallas_kernels: block-sparse cross-scale attention, gathered-key attention, attention over a
+few tokens, attention column sums per query group, top-k selection, top-k token gather/scatter,
+dense + GELU, a dense layer of weights stacked on a layer axis.
 
 Kernels in Pallas (Triton lowering on NVIDIA GPUs; the block-sparse attention, both
 directions, also in Mosaic GPU on Hopper; dense + GELU in Mosaic GPU only), their
@@ -11,6 +11,9 @@ from pallas_kernels.column_sums import group_column_sums
 from pallas_kernels.dense_gelu import dense_gelu
 from pallas_kernels.dense_gelu import pays as dense_gelu_pays
 from pallas_kernels.dispatch import IMPLS, override, resolve
+from pallas_kernels.few_token_attention import MAX_TOKENS as FEW_TOKENS
+from pallas_kernels.few_token_attention import few_token_attention
+from pallas_kernels.few_token_attention import unsupported as few_token_attention_unsupported
 from pallas_kernels.gathered_attention import gathered_attention
 from pallas_kernels.layer_dense import layer_dense
 from pallas_kernels.layout import (BlockLayout, default_block, dense_layout, layout_density,
@@ -22,7 +25,8 @@ from pallas_kernels.top_k import top_k_indices
 from pallas_kernels.token_gather import gather_rows, token_scatter, topk_gather
 
 __all__ = [
-    'group_column_sums', 'dense_gelu', 'dense_gelu_pays', 'IMPLS', 'override', 'resolve', 'gathered_attention',
+    'group_column_sums', 'dense_gelu', 'dense_gelu_pays', 'IMPLS', 'override', 'resolve', 'FEW_TOKENS',
+    'few_token_attention', 'few_token_attention_unsupported', 'gathered_attention',
     'layer_dense', 'BlockLayout', 'default_block', 'dense_layout', 'layout_density',
     'layout_from_mask', 'layout_from_rows', 'level_causal_layout', 'scale_causal_layout',
     'schedule_levels', 'whole_tile_layout',

@@ -123,10 +123,13 @@ def _sparse(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
 
 
 def _pallas_backend(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
-  """pallas_kernels' block-sparse attention: skips the tiles a ScaleCausal mask or a
-  kv_len excludes. TokenMask (possibly traced, per batch) and head dims or dtypes
-  the kernel does not take go to xla."""
+  """pallas_kernels' attention: unmasked over at most `FEW_TOKENS` queries and keys, one kernel
+  holding them all (`few_token_attention`); else the block-sparse kernel, which skips the tiles
+  a ScaleCausal mask or a kv_len excludes. TokenMask (possibly traced, per batch) and head dims
+  or dtypes the kernels do not take go to xla."""
   import pallas_kernels as pk
+  if mask is None and kv_len is None and not pk.few_token_attention_unsupported(q, k, v):
+    return pk.few_token_attention(q, k, v, scale=scale)
   d = q.shape[-1]
   if (isinstance(mask, TokenMask) or d < 16 or d & (d - 1)
       or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16)):

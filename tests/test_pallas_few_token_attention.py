@@ -1,0 +1,81 @@
+"""pallas_kernels.few_token_attention: the kernel in interpret mode against the reference on random
+inputs (lengths and head dims padded to powers of two, E-CAR's denoiser shapes), its gradients,
+its Triton lowering at E-CAR-L's shapes on the CPU, and the `pallas` attention backend's use of it."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import few_token_attention
+from pallas_kernels.reference import masked_attention
+from var_models.nn.attention import ScaleCausal, attention
+
+
+def _qkv(seed, lq, lk, h=3, d=72, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  return tuple(jnp.asarray(rng.standard_normal((2, n, h, d)), dtype) for n in (lq, lk, lk))
+
+
+def _want(q, k, v, scale):
+  return masked_attention(q, k, v, np.ones((1, q.shape[1], k.shape[1]), bool), scale)[0]
+
+
+@pytest.mark.parametrize('lq,lk,d', [(4, 4, 72), (16, 16, 72), (64, 64, 72), (37, 37, 16), (5, 30, 24)])
+def test_kernel_matches_the_reference(lq, lk, d):
+  q, k, v = _qkv(lq + d, lq, lk, d=d)
+  got = few_token_attention(q, k, v, scale=0.3, impl='interpret')
+  assert got.shape == q.shape
+  np.testing.assert_allclose(np.asarray(got), np.asarray(_want(q, k, v, 0.3)), rtol=2e-5, atol=2e-5)
+
+
+def test_kernel_in_bfloat16_is_within_bfloat16_rounding():
+  q, k, v = _qkv(1, 64, 64, h=16, dtype=jnp.bfloat16)
+  got = np.asarray(few_token_attention(q, k, v, impl='interpret'), np.float32)
+  want = np.asarray(_want(*(x.astype(jnp.float32) for x in (q, k, v)), 72 ** -0.5))
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+def test_gradients_equal_the_references():
+  q, k, v = _qkv(2, 16, 16)
+  loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+  got = jax.grad(loss(lambda *a: few_token_attention(*a, impl='interpret')), argnums=(0, 1, 2))(q, k, v)
+  want = jax.grad(loss(lambda *a: _want(*a, 72 ** -0.5)), argnums=(0, 1, 2))(q, k, v)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize('tokens', [4, 16, 64])
+def test_lowers_to_triton_at_e_car_l_shapes(tokens):
+  """Triton IR on the CPU for E-CAR-L's denoiser attention at batch 1 with guidance (not compiled
+  by Triton here): every block a power of two."""
+  x = jax.ShapeDtypeStruct((2, tokens, 16, 72), jnp.bfloat16)
+  f = lambda q, k, v: few_token_attention(q, k, v, impl='triton')
+  assert 'few_token_attention' in jax.jit(f).trace(x, x, x).lower(lowering_platforms=('cuda',)).as_text()
+
+
+def test_unsupported_inputs_name_the_misfit():
+  q, k, v = _qkv(3, 129, 129, h=1, d=16)
+  with pytest.raises(ValueError, match='at most 128 queries and keys, got Lq=129'):
+    few_token_attention(q, k, v)
+  q, k, v = _qkv(3, 8, 8, d=16, dtype=jnp.int32)
+  with pytest.raises(ValueError, match='one dtype among'):
+    few_token_attention(q, k, v)
+  q, k, v = _qkv(3, 8, 8, d=16)
+  with pytest.raises(ValueError, match="impl='mosaic'"):
+    few_token_attention(q, k, v, impl='mosaic')
+
+
+def test_pallas_backend_runs_it_for_unmasked_few_tokens_only():
+  q, k, v = _qkv(4, 64, 64, h=2, d=72, dtype=jnp.bfloat16)
+  text = lambda **kw: jax.jit(lambda q, k, v: attention(q, k, v, backend='pallas', **kw)).trace(
+      q, k, v).lower(lowering_platforms=('cuda',)).as_text()
+  with pallas_kernels.override('triton'):
+    assert 'few_token_attention' in text()
+    levels = np.arange(64) // 16
+    assert 'few_token_attention' not in text(mask=ScaleCausal(levels, levels))
+    assert 'few_token_attention' not in text(kv_len=40)
+  with pallas_kernels.override('interpret'):
+    got = attention(q, k, v, backend='pallas')
+  want = attention(q, k, v, backend='xla')
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
