@@ -24,7 +24,9 @@ from pallas_kernels import dispatch, reference
 from pallas_kernels.sparse_attention import DTYPES, LOG2E, _pv, _qk
 
 MAX_TOKENS = 128   # queries or keys a call may hold: one program's logits [Lq, Lk] sit in registers
-MAX_HEAD_DIM = 256
+# One program's padded q, k and v: Triton stages a dot's operands in shared memory (an A100 has
+# 164 KB an SM, a Hopper 228), so a call that holds more runs elsewhere.
+MAX_BYTES = 96 * 1024
 
 
 def _padded(n: int) -> int:
@@ -91,10 +93,12 @@ def unsupported(q, k, v) -> str:
     return f'q [B, Lq, H, D], k and v [B, Lk, H, D] expected, got {q.shape}, {k.shape}, {v.shape}'
   if max(q.shape[1], k.shape[1]) > MAX_TOKENS:
     return f'at most {MAX_TOKENS} queries and keys, got Lq={q.shape[1]}, Lk={k.shape[1]}'
-  if q.shape[3] > MAX_HEAD_DIM:
-    return f'head dim at most {MAX_HEAD_DIM}, got {q.shape[3]}'
   if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
     return f'q, k, v of one dtype among {[jnp.dtype(t).name for t in DTYPES]}, got {q.dtype}, {k.dtype}, {v.dtype}'
+  held = (_padded(q.shape[1]) + 2 * _padded(k.shape[1])) * _padded(q.shape[3]) * q.dtype.itemsize
+  if held > MAX_BYTES:
+    return (f'a (batch, head) holds {held // 1024} KiB of padded q, k, v (Lq={q.shape[1]}, Lk={k.shape[1]}, '
+            f'D={q.shape[3]}, {q.dtype}), at most {MAX_BYTES // 1024}')
   return ''
 
 

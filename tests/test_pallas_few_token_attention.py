@@ -58,6 +58,9 @@ def test_unsupported_inputs_name_the_misfit():
   q, k, v = _qkv(3, 129, 129, h=1, d=16)
   with pytest.raises(ValueError, match='at most 128 queries and keys, got Lq=129'):
     few_token_attention(q, k, v)
+  q, k, v = _qkv(3, 128, 128, h=1, d=128)
+  with pytest.raises(ValueError, match='holds 192 KiB of padded q, k, v'):
+    few_token_attention(q, k, v)
   q, k, v = _qkv(3, 8, 8, d=16, dtype=jnp.int32)
   with pytest.raises(ValueError, match='one dtype among'):
     few_token_attention(q, k, v)
