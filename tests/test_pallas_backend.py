@@ -31,6 +31,16 @@ def test_pallas_backend_equals_xla(mask):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
+def test_pallas_backend_unmasked_over_more_than_few_tokens_runs_the_block_sparse_kernel():
+  q, k, v = _qkv(6, lq=150, lk=150)
+  with pallas_kernels.override('triton'):
+    text = jax.jit(lambda q, k, v: attention(q, k, v, backend='pallas')).trace(
+        q, k, v).lower(lowering_platforms=('cuda',)).as_text()
+  assert 'block_sparse_attention_fwd' in text and 'few_token_attention' not in text
+  got, want = _both(q, k, v)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
 def test_pallas_backend_scale_causal_last_scale_queries_and_gradients():
   q, k, v = _qkv(1, lq=25)
   mask = ScaleCausal(LEVELS[14:], LEVELS)
