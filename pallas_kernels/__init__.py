@@ -20,7 +20,7 @@ from pallas_kernels.layout import (BlockLayout, default_block, dense_layout, lay
                                    layout_from_mask, layout_from_rows, level_causal_layout,
                                    scale_causal_layout, schedule_levels, whole_tile_layout)
 from pallas_kernels.reference import masked_attention
-from pallas_kernels.sparse_attention import block_sparse_attention
+from pallas_kernels.sparse_attention import MAX_HEAD_DIM, block_sparse_attention
 from pallas_kernels.top_k import top_k_indices
 from pallas_kernels.token_gather import gather_rows, token_scatter, topk_gather
 
@@ -30,6 +30,6 @@ __all__ = [
     'layer_dense', 'BlockLayout', 'default_block', 'dense_layout', 'layout_density',
     'layout_from_mask', 'layout_from_rows', 'level_causal_layout', 'scale_causal_layout',
     'schedule_levels', 'whole_tile_layout',
-    'masked_attention', 'block_sparse_attention', 'gather_rows',
+    'masked_attention', 'MAX_HEAD_DIM', 'block_sparse_attention', 'gather_rows',
     'token_scatter', 'topk_gather', 'top_k_indices',
 ]

@@ -4,10 +4,12 @@ softmax. Meant for the attention of E-CAR's denoiser blocks at sampling (a stage
 where cuDNN's call costs a memset and a ~4 us launch gap around 5.5 us of work and XLA's
 attention is several kernels (benchmarks/RESULTS.md, "E-CAR's samplers on cuBLAS GEMMs").
 
-Triton's tensors have power-of-two sizes: q, k, v are laid out [B, H, L, D] with L and D padded
-to powers of two (at least 16, the smallest Triton dot), which XLA fuses into the ops that
-produce them; the padded keys are masked, the padded queries and columns cut. The backward pass
-is the reference's (training is not what the kernel is for).
+Triton's tensors have power-of-two sizes: a program reads its (batch, head)'s [L, D] slab of
+q, k, v [B, L, H, D] in place as a block with L and D rounded up to powers of two (at least 16,
+the smallest Triton dot), masked loads filling the overhang with zeros and a masked store
+writing only the real rows and columns, so no copy runs around the kernel; the padded keys are
+masked out of the softmax. The backward pass is the reference's: the `cudnn` attention backend
+runs the kernel only where a call is not differentiated, training keeps cuDNN.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import dispatch, reference
-from pallas_kernels.sparse_attention import DTYPES, LOG2E, _pv, _qk
+from pallas_kernels.sparse_attention import DTYPES, LOG2E, MAX_HEAD_DIM, _pv, _qk
 
 MAX_TOKENS = 128   # queries or keys a call may hold: one program's logits [Lq, Lk] sit in registers
 # One program's padded q, k and v: Triton stages a dot's operands in shared memory (an A100 has
@@ -33,37 +35,35 @@ def _padded(n: int) -> int:
   return max(16, pl.next_power_of_2(n))
 
 
-def _kernel(q_ref, k_ref, v_ref, o_ref, *, lk: int, scale: float):
-  """One (batch, head): q [Lq_p, D_p], k and v [Lk_p, D_p] -> o [Lq_p, D_p]; keys from lk on masked."""
-  k, v = k_ref[...], v_ref[...]
-  s = _qk(q_ref[...], k) * (scale * LOG2E)
+def _kernel(q_ref, k_ref, v_ref, o_ref, *, lq: int, lk: int, d: int, scale: float):
+  """One (batch, head): q [Lq_p, D_p] and k, v [Lk_p, D_p] blocks of [B, L, H, D] arrays, read
+  where row < Lq (Lk) and column < D, zeros elsewhere -> o [Lq_p, D_p], stored likewise."""
+  within = lambda rows, n: (jnp.arange(rows)[:, None] < n) & (jnp.arange(q_ref.shape[1])[None, :] < d)
+  load = lambda ref, n: plgpu.load(ref, mask=within(ref.shape[0], n), other=0.0)
+  k, v = load(k_ref, lk), load(v_ref, lk)
+  s = _qk(load(q_ref, lq), k) * (scale * LOG2E)
   if lk < k.shape[0]:
     s = jnp.where(jnp.arange(k.shape[0])[None, :] < lk, s, -jnp.inf)
   p = jnp.exp2(s - s.max(-1, keepdims=True))
-  o_ref[...] = (_pv(p.astype(v.dtype), v) / p.sum(-1, keepdims=True)).astype(o_ref.dtype)
-
-
-def _laid_out(x, length: int, dim: int):
-  """[B, L, H, D] -> [B, H, length, dim], zero-padded."""
-  x = jnp.swapaxes(x, 1, 2)
-  return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, dim - x.shape[3])))
+  o = _pv(p.astype(v.dtype), v) / p.sum(-1, keepdims=True)
+  plgpu.store(o_ref, o.astype(o_ref.dtype), mask=within(o_ref.shape[0], lq))
 
 
 def _forward(q, k, v, scale: float, interpret: bool):
   b, lq, h, d = q.shape
-  lq_p, lk_p, d_p = _padded(lq), _padded(k.shape[1]), _padded(d)
-  spec = lambda n: pl.BlockSpec((pl.squeezed, pl.squeezed, n, d_p), lambda i, j: (i, j, 0, 0))
-  out = pl.pallas_call(
-      functools.partial(_kernel, lk=k.shape[1], scale=scale),
+  lk = k.shape[1]
+  d_p = _padded(d)
+  spec = lambda n: pl.BlockSpec((pl.squeezed, _padded(n), pl.squeezed, d_p), lambda i, j: (i, 0, j, 0))
+  return pl.pallas_call(
+      functools.partial(_kernel, lq=lq, lk=lk, d=d, scale=scale),
       grid=(b, h),
-      in_specs=[spec(lq_p), spec(lk_p), spec(lk_p)],
-      out_specs=spec(lq_p),
-      out_shape=jax.ShapeDtypeStruct((b, h, lq_p, d_p), q.dtype),
+      in_specs=[spec(lq), spec(lk), spec(lk)],
+      out_specs=spec(lq),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret,
       name='few_token_attention',
-  )(_laid_out(q, lq_p, d_p), _laid_out(k, lk_p, d_p), _laid_out(v, lk_p, d_p))
-  return jnp.swapaxes(out[:, :, :lq, :d], 1, 2)
+  )(q, k, v)
 
 
 def _reference(q, k, v, scale: float):
@@ -93,6 +93,8 @@ def unsupported(q, k, v) -> str:
     return f'q [B, Lq, H, D], k and v [B, Lk, H, D] expected, got {q.shape}, {k.shape}, {v.shape}'
   if max(q.shape[1], k.shape[1]) > MAX_TOKENS:
     return f'at most {MAX_TOKENS} queries and keys, got Lq={q.shape[1]}, Lk={k.shape[1]}'
+  if _padded(q.shape[3]) > MAX_HEAD_DIM:
+    return f'head dim at most {MAX_HEAD_DIM}, got {q.shape[3]}'
   if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
     return f'q, k, v of one dtype among {[jnp.dtype(t).name for t in DTYPES]}, got {q.dtype}, {k.dtype}, {v.dtype}'
   held = (_padded(q.shape[1]) + 2 * _padded(k.shape[1])) * _padded(q.shape[3]) * q.dtype.itemsize
@@ -104,9 +106,9 @@ def unsupported(q, k, v) -> str:
 
 def few_token_attention(q, k, v, *, scale: Optional[float] = None, impl: str = 'auto'):
   """Softmax attention, every query over every key: q [B, Lq, H, D], k and v [B, Lk, H, D] with
-  Lq, Lk <= MAX_TOKENS -> [B, Lq, H, D] in q's dtype; logits and softmax in float32, scale
-  default 1/sqrt(D). `impl`: see `pallas_kernels.dispatch` (no Mosaic GPU kernel: 'auto' runs
-  the Triton lowering on every NVIDIA GPU)."""
+  Lq, Lk <= MAX_TOKENS and D <= MAX_HEAD_DIM -> [B, Lq, H, D] in q's dtype; logits and softmax in
+  float32, scale default 1/sqrt(D). `impl`: see `pallas_kernels.dispatch` (no Mosaic GPU
+  kernel: 'auto' runs the Triton lowering on every NVIDIA GPU)."""
   why = unsupported(q, k, v)
   if why:
     raise ValueError(f'few_token_attention: {why}')

@@ -28,6 +28,10 @@ from pallas_kernels.layout import BlockLayout
 LOG2E = math.log2(math.e)
 BWD_STAGES = 2  # the backward's pipeline depth, as measured (NOTES.md)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# The widest head a tile takes: a [128, D] query tile's accumulator stays in registers and its
+# key/value stages in shared memory (an A100's 164 KB); a VAE's 512-wide head asked an H200
+# for 656 KiB.
+MAX_HEAD_DIM = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,8 +328,8 @@ def _check(q, k, v, layout: BlockLayout, bwd_block_q: int, bwd_block_k: int) -> 
     raise ValueError(f'q, k, v must share one of float32/bfloat16/float16, got '
                      f'{q.dtype}, {k.dtype}, {v.dtype}')
   d = q.shape[3]
-  if d < 16 or d & (d - 1):
-    raise ValueError(f'head dim must be a power of two >= 16, got {d}')
+  if d < 16 or d > MAX_HEAD_DIM or d & (d - 1):
+    raise ValueError(f'head dim must be a power of two in [16, {MAX_HEAD_DIM}], got {d}')
   capacity = layout.num_k_blocks * layout.block_k
   if q.shape[1] != layout.lq or not layout.lk <= k.shape[1] <= capacity:
     raise ValueError(f'layout is for lq={layout.lq}, lk={layout.lk}: q length must be {layout.lq} and k '
@@ -359,7 +363,7 @@ def block_sparse_attention(q, k, v, layout: BlockLayout, *, scale: Optional[floa
                            num_stages: Optional[int] = None):
   """Softmax attention over the tiles of `layout`; differentiable (custom VJP).
 
-  q [B, Lq, H, D], k and v [B, Lk, H, D] (D a power of two) -> out [B, Lq, H, D]
+  q [B, Lq, H, D], k and v [B, Lk, H, D] (D a power of two <= 128) -> out [B, Lq, H, D]
   and, with `return_lse`, lse [B, H, Lq] float32 (natural log; -inf on query rows
   that see no key, whose output is 0). `scale` multiplies q.k (default 1/sqrt(D)).
   k and v may run past the layout's lk up to its last key block (a KV cache with

@@ -173,6 +173,7 @@ def test_reference_impl_and_jit_agree_with_interpret():
 
 @pytest.mark.parametrize('change, match', [
     (dict(d=12), 'power of two'),
+    (dict(d=256), r'power of two in \[16, 128\], got 256'),
     (dict(lq=36), 'layout is for'),
     (dict(h=3), 'heads'),
 ])

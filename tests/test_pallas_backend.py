@@ -68,3 +68,16 @@ def test_pallas_backend_falls_back_to_xla_for_token_masks_and_odd_head_dims():
   mask = TokenMask(jnp.asarray(np.random.default_rng(5).random((2, 1, 39, 39)) < 0.7))
   got, want = _both(q, k, v, mask=mask)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize('lq', [1, 150])
+def test_pallas_backend_runs_heads_wider_than_the_kernels_tiles_on_xla(lq):
+  """A VAE's one 512-wide head (its mid-block attention) asks a Triton tile for more shared
+  memory than a GPU has: no kernel is lowered."""
+  q, k, v = _qkv(7, lq=lq, lk=lq, h=1, d=512)
+  with pallas_kernels.override('triton'):
+    text = jax.jit(lambda q, k, v: attention(q, k, v, backend='pallas')).trace(
+        q, k, v).lower(lowering_platforms=('cuda',)).as_text()
+  assert 'block_sparse_attention' not in text and 'few_token_attention' not in text
+  got, want = _both(q, k, v)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

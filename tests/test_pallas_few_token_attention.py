@@ -9,6 +9,7 @@ import pytest
 import pallas_kernels
 from pallas_kernels import few_token_attention
 from pallas_kernels.reference import masked_attention
+from var_models.nn import attention as attention_lib
 from var_models.nn.attention import ScaleCausal, attention
 
 
@@ -61,6 +62,9 @@ def test_unsupported_inputs_name_the_misfit():
   q, k, v = _qkv(3, 128, 128, h=1, d=128)
   with pytest.raises(ValueError, match='holds 192 KiB of padded q, k, v'):
     few_token_attention(q, k, v)
+  q, k, v = _qkv(3, 1, 1, h=1, d=512)
+  with pytest.raises(ValueError, match='head dim at most 128, got 512'):
+    few_token_attention(q, k, v)
   q, k, v = _qkv(3, 8, 8, d=16, dtype=jnp.int32)
   with pytest.raises(ValueError, match='one dtype among'):
     few_token_attention(q, k, v)
@@ -82,3 +86,25 @@ def test_pallas_backend_runs_it_for_unmasked_few_tokens_only():
     got = attention(q, k, v, backend='pallas')
   want = attention(q, k, v, backend='xla')
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+
+
+def test_cudnn_backend_runs_the_kernel_only_where_the_call_is_not_differentiated():
+  """The `cudnn` backend's wrapper, around the xla backend (cuDNN needs a GPU): a sampler's call
+  lowers to the kernel, a differentiated one keeps the wrapped backend's forward and backward."""
+  routed = attention_lib._few_tokens_on_the_kernel(attention_lib._BACKENDS['xla'])
+  dense = attention_lib._BACKENDS['xla']
+  q, k, v = _qkv(5, 16, 16, h=2, dtype=jnp.bfloat16)
+  call = lambda backend: lambda q, k, v: backend(q, k, v, None, 0.3, None)
+  loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v).astype(jnp.float32)))
+  text = lambda f: jax.jit(f).trace(q, k, v).lower(lowering_platforms=('cuda',)).as_text()
+  with pallas_kernels.override('triton'):
+    assert 'few_token_attention' in text(call(routed))
+    assert 'few_token_attention' not in text(jax.grad(loss(call(routed)), argnums=(0, 1, 2)))
+    assert 'few_token_attention' not in text(lambda q, k, v: routed(q, k, v, None, 0.3, 8))
+  with pallas_kernels.override('interpret'):
+    np.testing.assert_array_equal(np.asarray(call(routed)(q, k, v), np.float32),
+                                  np.asarray(few_token_attention(q, k, v, scale=0.3), np.float32))
+    got = jax.grad(loss(call(routed)), argnums=(0, 1, 2))(q, k, v)
+  want = jax.grad(loss(call(dense)), argnums=(0, 1, 2))(q, k, v)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
