@@ -1,6 +1,7 @@
 """pallas_kernels.few_token_attention: the kernel in interpret mode against the reference on random
 inputs (lengths and head dims padded to powers of two, E-CAR's denoiser shapes), its gradients,
-its Triton lowering at E-CAR-L's shapes on the CPU, and the `pallas` attention backend's use of it."""
+its Triton lowering at E-CAR-L's shapes on the CPU, and the `pallas` and `cudnn` attention backends' use
+of it."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,7 +53,10 @@ def test_lowers_to_triton_at_e_car_l_shapes(tokens):
   by Triton here): every block a power of two."""
   x = jax.ShapeDtypeStruct((2, tokens, 16, 72), jnp.bfloat16)
   f = lambda q, k, v: few_token_attention(q, k, v, impl='triton')
-  assert 'few_token_attention' in jax.jit(f).trace(x, x, x).lower(lowering_platforms=('cuda',)).as_text()
+  text = jax.jit(f).trace(x, x, x).lower(lowering_platforms=('cuda',)).as_text()
+  assert 'few_token_attention' in text
+  # [B, L, H, D] read and written in place: no copy around the kernel.
+  assert 'stablehlo.transpose' not in text and 'stablehlo.pad' not in text and 'stablehlo.slice' not in text
 
 
 def test_unsupported_inputs_name_the_misfit():
