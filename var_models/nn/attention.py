@@ -122,13 +122,20 @@ def _sparse(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
   return pk.block_sparse_attention(q, k[:, :end], v[:, :end], layout, scale=scale)
 
 
+def _few_token_call(q, k, v, mask: Mask, kv_len: Optional[int]) -> bool:
+  """Whether `few_token_attention` takes the call: unmasked, without a kv_len, and of the
+  lengths, head dim and dtype it holds."""
+  import pallas_kernels as pk
+  return mask is None and kv_len is None and not pk.few_token_attention_unsupported(q, k, v)
+
+
 def _pallas_backend(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
   """pallas_kernels' attention: unmasked over at most `FEW_TOKENS` queries and keys, one kernel
   holding them all (`few_token_attention`); else the block-sparse kernel, which skips the tiles
   a ScaleCausal mask or a kv_len excludes. TokenMask (possibly traced, per batch) and head dims
   or dtypes the kernels do not take go to xla."""
   import pallas_kernels as pk
-  if mask is None and kv_len is None and not pk.few_token_attention_unsupported(q, k, v):
+  if _few_token_call(q, k, v, mask, kv_len):
     return pk.few_token_attention(q, k, v, scale=scale)
   d = q.shape[-1]
   if (isinstance(mask, TokenMask) or d < 16 or d > pk.MAX_HEAD_DIM or d & (d - 1)
@@ -164,8 +171,7 @@ def _few_tokens_on_the_kernel(backend: Backend) -> Backend:
   def run(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
     import pallas_kernels as pk
     dense = lambda q, k, v: backend(q, k, v, mask, scale, kv_len)
-    if (mask is not None or kv_len is not None or not _cudnn_takes(q)
-        or pk.few_token_attention_unsupported(q, k, v)):
+    if not (_cudnn_takes(q) and _few_token_call(q, k, v, mask, kv_len)):
       return dense(q, k, v)
     return _undifferentiated(lambda q, k, v: pk.few_token_attention(q, k, v, scale=scale), dense)(q, k, v)
   return run
