@@ -49,9 +49,9 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, *, lq: int, lk: int, d: int, scale: floa
   plgpu.store(o_ref, o.astype(o_ref.dtype), mask=within(o_ref.shape[0], lq))
 
 
-def _forward(q, k, v, scale: float, interpret: bool):
+def _forward(q, k, v, lk: int, scale: float, interpret: bool):
+  """Keys [0, lk) of k, v; the rows after them (a KV cache's spare rows) are never read."""
   b, lq, h, d = q.shape
-  lk = k.shape[1]
   d_p = _padded(d)
   spec = lambda n: pl.BlockSpec((pl.squeezed, _padded(n), pl.squeezed, d_p), lambda i, j: (i, 0, j, 0))
   return pl.pallas_call(
@@ -66,56 +66,63 @@ def _forward(q, k, v, scale: float, interpret: bool):
   )(q, k, v)
 
 
-def _reference(q, k, v, scale: float):
-  return reference.masked_attention(q, k, v, jnp.ones((1, q.shape[1], k.shape[1]), bool), scale)[0]
+def _reference(q, k, v, lk: int, scale: float):
+  k, v = k[:, :lk], v[:, :lk]
+  return reference.masked_attention(q, k, v, jnp.ones((1, q.shape[1], lk), bool), scale)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attention(q, k, v, scale, interpret):
-  return _forward(q, k, v, scale, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _attention(q, k, v, lk, scale, interpret):
+  return _forward(q, k, v, lk, scale, interpret)
 
 
-def _attention_fwd(q, k, v, scale, interpret):
-  return _forward(q, k, v, scale, interpret), (q, k, v)
+def _attention_fwd(q, k, v, lk, scale, interpret):
+  return _forward(q, k, v, lk, scale, interpret), (q, k, v)
 
 
-def _attention_bwd(scale, interpret, residuals, do):
+def _attention_bwd(lk, scale, interpret, residuals, do):
   del interpret
-  return jax.vjp(functools.partial(_reference, scale=scale), *residuals)[1](do)
+  return jax.vjp(functools.partial(_reference, lk=lk, scale=scale), *residuals)[1](do)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def unsupported(q, k, v) -> str:
+def unsupported(q, k, v, kv_len: Optional[int] = None) -> str:
   """Why few_token_attention does not take these inputs ('' when it does)."""
   if q.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
     return f'q [B, Lq, H, D], k and v [B, Lk, H, D] expected, got {q.shape}, {k.shape}, {v.shape}'
-  if max(q.shape[1], k.shape[1]) > MAX_TOKENS:
-    return f'at most {MAX_TOKENS} queries and keys, got Lq={q.shape[1]}, Lk={k.shape[1]}'
+  if kv_len is not None and not 0 < kv_len <= k.shape[1]:
+    return f'kv_len must be in (0, Lk = {k.shape[1]}], got {kv_len}'
+  lk = k.shape[1] if kv_len is None else kv_len
+  if max(q.shape[1], lk) > MAX_TOKENS:
+    return f'at most {MAX_TOKENS} queries and keys, got Lq={q.shape[1]}, {lk} keys'
   if _padded(q.shape[3]) > MAX_HEAD_DIM:
     return f'head dim at most {MAX_HEAD_DIM}, got {q.shape[3]}'
   if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
     return f'q, k, v of one dtype among {[jnp.dtype(t).name for t in DTYPES]}, got {q.dtype}, {k.dtype}, {v.dtype}'
-  held = (_padded(q.shape[1]) + 2 * _padded(k.shape[1])) * _padded(q.shape[3]) * q.dtype.itemsize
+  held = (_padded(q.shape[1]) + 2 * _padded(lk)) * _padded(q.shape[3]) * q.dtype.itemsize
   if held > MAX_BYTES:
-    return (f'a (batch, head) holds {held // 1024} KiB of padded q, k, v (Lq={q.shape[1]}, Lk={k.shape[1]}, '
+    return (f'a (batch, head) holds {held // 1024} KiB of padded q, k, v (Lq={q.shape[1]}, {lk} keys, '
             f'D={q.shape[3]}, {q.dtype}), at most {MAX_BYTES // 1024}')
   return ''
 
 
-def few_token_attention(q, k, v, *, scale: Optional[float] = None, impl: str = 'auto'):
-  """Softmax attention, every query over every key: q [B, Lq, H, D], k and v [B, Lk, H, D] with
-  Lq, Lk <= MAX_TOKENS and D <= MAX_HEAD_DIM -> [B, Lq, H, D] in q's dtype; logits and softmax in
-  float32, scale default 1/sqrt(D). `impl`: see `pallas_kernels.dispatch` (no Mosaic GPU
+def few_token_attention(q, k, v, *, scale: Optional[float] = None, kv_len: Optional[int] = None,
+                        impl: str = 'auto'):
+  """Softmax attention, every query over every key: q [B, Lq, H, D], k and v [B, Lk, H, D] ->
+  [B, Lq, H, D] in q's dtype; logits and softmax in float32, scale default 1/sqrt(D). Only the
+  first `kv_len` keys (default Lk) count, a KV cache's buffer read in place: Lq and kv_len at most
+  MAX_TOKENS, D at most MAX_HEAD_DIM. `impl`: see `pallas_kernels.dispatch` (no Mosaic GPU
   kernel: 'auto' runs the Triton lowering on every NVIDIA GPU)."""
-  why = unsupported(q, k, v)
+  why = unsupported(q, k, v, kv_len)
   if why:
     raise ValueError(f'few_token_attention: {why}')
   scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
   impl = dispatch.resolve(impl)
   if impl == 'mosaic':
     raise ValueError(f"impl='mosaic': {dispatch.NO_MOSAIC}")
+  lk = k.shape[1] if kv_len is None else kv_len
   if impl == 'reference':
-    return _reference(q, k, v, scale)
-  return _attention(q, k, v, scale, impl == 'interpret')
+    return _reference(q, k, v, lk, scale)
+  return _attention(q, k, v, lk, scale, impl == 'interpret')

@@ -55,8 +55,9 @@ def test_pallas_backend_scale_causal_last_scale_queries_and_gradients():
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
 
 
-def test_pallas_backend_reads_only_kv_len_keys():
-  got, want = _both(*_qkv(2, lq=5), kv_len=30)
+@pytest.mark.parametrize('lk,kv_len', [(39, 30), (200, 150)], ids=['few_token_kernel', 'block_sparse_kernel'])
+def test_pallas_backend_reads_only_kv_len_keys(lk, kv_len):
+  got, want = _both(*_qkv(2, lq=5, lk=lk), kv_len=kv_len)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 

@@ -31,6 +31,17 @@ def test_kernel_matches_the_reference(lq, lk, d):
   np.testing.assert_allclose(np.asarray(got), np.asarray(_want(q, k, v, 0.3)), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize('lq,buffer,kv_len', [(1, 84, 1), (9, 84, 20), (64, 84, 84), (25, 200, 91)])
+def test_kernel_reads_only_the_first_kv_len_keys_of_a_buffer(lq, buffer, kv_len):
+  """A KV cache's buffer read in place: its spare rows (NaN here) are never read."""
+  q, k, v = _qkv(lq + kv_len, lq, buffer, d=32)
+  spare = np.arange(buffer)[None, :, None, None] >= kv_len
+  k, v = (jnp.where(spare, jnp.nan, x) for x in (k, v))
+  got = few_token_attention(q, k, v, scale=0.3, kv_len=kv_len, impl='interpret')
+  want = _want(q, k[:, :kv_len], v[:, :kv_len], 0.3)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
 def test_kernel_in_bfloat16_is_within_bfloat16_rounding():
   q, k, v = _qkv(1, 64, 64, h=16, dtype=jnp.bfloat16)
   got = np.asarray(few_token_attention(q, k, v, impl='interpret'), np.float32)
@@ -38,11 +49,14 @@ def test_kernel_in_bfloat16_is_within_bfloat16_rounding():
   assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 
-def test_gradients_equal_the_references():
+@pytest.mark.parametrize('kv_len', [None, 11])
+def test_gradients_equal_the_references(kv_len):
   q, k, v = _qkv(2, 16, 16)
+  n = kv_len or 16
   loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
-  got = jax.grad(loss(lambda *a: few_token_attention(*a, impl='interpret')), argnums=(0, 1, 2))(q, k, v)
-  want = jax.grad(loss(lambda *a: _want(*a, 72 ** -0.5)), argnums=(0, 1, 2))(q, k, v)
+  got = jax.grad(loss(lambda *a: few_token_attention(*a, kv_len=kv_len, impl='interpret')),
+                 argnums=(0, 1, 2))(q, k, v)
+  want = jax.grad(loss(lambda q, k, v: _want(q, k[:, :n], v[:, :n], 72 ** -0.5)), argnums=(0, 1, 2))(q, k, v)
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
 
@@ -63,6 +77,11 @@ def test_unsupported_inputs_name_the_misfit():
   q, k, v = _qkv(3, 129, 129, h=1, d=16)
   with pytest.raises(ValueError, match='at most 128 queries and keys, got Lq=129'):
     few_token_attention(q, k, v)
+  q, k, v = _qkv(3, 8, 200, h=1, d=16)
+  with pytest.raises(ValueError, match='got Lq=8, 129 keys'):
+    few_token_attention(q, k, v, kv_len=129)
+  with pytest.raises(ValueError, match=r'kv_len must be in \(0, Lk = 200\], got 0'):
+    few_token_attention(q, k, v, kv_len=0)
   q, k, v = _qkv(3, 128, 128, h=1, d=128)
   with pytest.raises(ValueError, match='holds 192 KiB of padded q, k, v'):
     few_token_attention(q, k, v)
@@ -85,7 +104,7 @@ def test_pallas_backend_runs_it_for_unmasked_few_tokens_only():
     assert 'few_token_attention' in text()
     levels = np.arange(64) // 16
     assert 'few_token_attention' not in text(mask=ScaleCausal(levels, levels))
-    assert 'few_token_attention' not in text(kv_len=40)
+    assert 'few_token_attention' in text(kv_len=40)
   with pallas_kernels.override('interpret'):
     got = attention(q, k, v, backend='pallas')
   want = attention(q, k, v, backend='xla')
@@ -104,7 +123,9 @@ def test_cudnn_backend_runs_the_kernel_only_where_the_call_is_not_differentiated
   with pallas_kernels.override('triton'):
     assert 'few_token_attention' in text(call(routed))
     assert 'few_token_attention' not in text(jax.grad(loss(call(routed)), argnums=(0, 1, 2)))
-    assert 'few_token_attention' not in text(lambda q, k, v: routed(q, k, v, None, 0.3, 8))
+    assert 'few_token_attention' in text(lambda q, k, v: routed(q, k, v, None, 0.3, 8))
+    levels = np.arange(16) // 4
+    assert 'few_token_attention' not in text(lambda q, k, v: routed(q, k, v, ScaleCausal(levels, levels), 0.3, None))
   with pallas_kernels.override('interpret'):
     np.testing.assert_array_equal(np.asarray(call(routed)(q, k, v), np.float32),
                                   np.asarray(few_token_attention(q, k, v, scale=0.3), np.float32))

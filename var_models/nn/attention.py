@@ -123,20 +123,20 @@ def _sparse(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
 
 
 def _few_token_call(q, k, v, mask: Mask, kv_len: Optional[int]) -> bool:
-  """Whether `few_token_attention` takes the call: unmasked, without a kv_len, and of the
-  lengths, head dim and dtype it holds."""
+  """Whether `few_token_attention` takes the call: unmasked, and of the lengths (kv_len's keys
+  where given), head dim and dtype it holds."""
   import pallas_kernels as pk
-  return mask is None and kv_len is None and not pk.few_token_attention_unsupported(q, k, v)
+  return mask is None and not pk.few_token_attention_unsupported(q, k, v, kv_len)
 
 
 def _pallas_backend(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
-  """pallas_kernels' attention: unmasked over at most `FEW_TOKENS` queries and keys, one kernel
-  holding them all (`few_token_attention`); else the block-sparse kernel, which skips the tiles
-  a ScaleCausal mask or a kv_len excludes. TokenMask (possibly traced, per batch) and head dims
-  or dtypes the kernels do not take go to xla."""
+  """pallas_kernels' attention: unmasked over at most `FEW_TOKENS` queries and keys (of a
+  kv_len's), one kernel holding them all (`few_token_attention`); else the block-sparse kernel,
+  which skips the tiles a ScaleCausal mask or a kv_len excludes. TokenMask (possibly traced, per
+  batch) and head dims or dtypes the kernels do not take go to xla."""
   import pallas_kernels as pk
   if _few_token_call(q, k, v, mask, kv_len):
-    return pk.few_token_attention(q, k, v, scale=scale)
+    return pk.few_token_attention(q, k, v, scale=scale, kv_len=kv_len)
   d = q.shape[-1]
   if (isinstance(mask, TokenMask) or d < 16 or d > pk.MAX_HEAD_DIM or d & (d - 1)
       or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16)):
@@ -162,18 +162,19 @@ def _undifferentiated(fast: Callable, differentiable: Callable) -> Callable:
 
 
 def _few_tokens_on_the_kernel(backend: Backend) -> Backend:
-  """`backend`, except that an unmasked call without a kv_len over at most `FEW_TOKENS` queries
-  and keys, in a dtype and head dim cuDNN takes, that is not differentiated (a sampler's: E-CAR's
-  denoisers over a stage's tokens) runs `few_token_attention`, one kernel where cuDNN's call adds
-  a memset and ~5 us of launch gaps: E-CAR-L samples 10 % faster (benchmarks/RESULTS.md).
-  Differentiated, the call keeps `backend`'s forward and backward: on the kernel with XLA's
-  backward E-CAR-B's train step was 2.3 % slower."""
+  """`backend`, except that an unmasked call over at most `FEW_TOKENS` queries and keys (of a
+  kv_len's), in a dtype and head dim cuDNN takes, that is not differentiated (a sampler's: E-CAR's
+  denoisers over a stage's tokens, VAR's first scales over their KV cache) runs
+  `few_token_attention`, one kernel where cuDNN's call adds a memset and ~5 us of launch gaps:
+  E-CAR-L samples 10 % faster (benchmarks/RESULTS.md). Differentiated, the call keeps `backend`'s
+  forward and backward: on the kernel with XLA's backward E-CAR-B's train step was 2.3 % slower."""
   def run(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
     import pallas_kernels as pk
     dense = lambda q, k, v: backend(q, k, v, mask, scale, kv_len)
     if not (_cudnn_takes(q) and _few_token_call(q, k, v, mask, kv_len)):
       return dense(q, k, v)
-    return _undifferentiated(lambda q, k, v: pk.few_token_attention(q, k, v, scale=scale), dense)(q, k, v)
+    fast = lambda q, k, v: pk.few_token_attention(q, k, v, scale=scale, kv_len=kv_len)
+    return _undifferentiated(fast, dense)(q, k, v)
   return run
 
 
