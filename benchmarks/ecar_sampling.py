@@ -17,7 +17,8 @@ the weights the program at that batch reads (a denoiser's condition projection, 
 Linears where its adaLN outputs come ahead, once a stage). `--adaln_ahead_rows 128,0`
 compiles each sampler twice, side by side: each stage's adaLN outputs of every Euler step computed
 before its loop where the stage's denoiser runs on up to 128 rows (`blocks.ADALN_AHEAD_MAX_ROWS`),
-and at every step.
+and at every step. `--chained_rows 128,0` likewise: the denoisers' blocks chained through
+`pallas_kernels.residual_norm` up to 128 rows (`ecar.model.CHAINED_MAX_ROWS`), and each block whole.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import ecar
 from configs import ecar as ecar_configs
 import floors
 from timing import print_top_device_ops, time_compiled, xla_variants
+from ecar import model as ecar_model
 from var_models.nn import blocks
 
 PAPER_TFLOPS = {'S': 1.0, 'B': 3.2, 'L': 5.8}  # Table 2, with CFG, 250 steps
@@ -45,11 +47,12 @@ def model_config(variant: str, dtype: str, backend: str):
 
 
 def time_sampler(cfg, params, vae, batch: int, steps: int, guidance: float, warmup: int, iters: int,
-                 ahead_rows: int, xla: dict, profile: str = '') -> dict:
+                 ahead_rows: int, chained_rows: int, xla: dict, profile: str = '') -> dict:
   """Compiles (with XLA options `xla`) and times a new sampler (each traces once), the adaLN
-  outputs computed ahead up to ahead_rows rows; the row holds the bytes its program reads
-  ('traffic_bytes', `floors.sampler_reads` at the batch)."""
-  blocks.ADALN_AHEAD_MAX_ROWS = ahead_rows   # read when the sampler is traced
+  outputs computed ahead up to ahead_rows rows, the blocks chained up to chained_rows; the row
+  holds the bytes its program reads ('traffic_bytes', `floors.sampler_reads` at the batch)."""
+  blocks.ADALN_AHEAD_MAX_ROWS = ahead_rows   # both read when the sampler is traced
+  ecar_model.CHAINED_MAX_ROWS = chained_rows
   sample = ecar.make_sampler(cfg, num_steps=steps)
   labels = np.arange(batch, dtype=np.int32) % cfg.num_classes
   both = {'ecar': params, 'vae': vae}
@@ -78,6 +81,8 @@ def main():
   ap.add_argument('--adaln_ahead_rows', default=str(blocks.ADALN_AHEAD_MAX_ROWS),
                   help="rows up to which a stage's adaLN outputs are computed before its loop (0: never), "
                   'one run per value')
+  ap.add_argument('--chained_rows', default=str(ecar_model.CHAINED_MAX_ROWS),
+                  help="rows up to which the denoisers' blocks run chained (0: never), one run per value")
   ap.add_argument('--xla', default='', help="';'-separated sets of XLA options ('a=1,b=true'), one run per set "
                   "('' is XLA's defaults)")
   ap.add_argument('--copy_bytes', type=int, default=1 << 31, help='size of the copy that measures HBM bandwidth')
@@ -101,17 +106,18 @@ def main():
     bound = floors.floor(floors.sampler_reads(ecar.make_sampler(cfg, num_steps=args.steps),
                                               {'ecar': params, 'vae': vae}, args.dtype), bandwidth)
     print(f'  {floors.describe(bound, bandwidth)}', flush=True)
-    for batch, backend, ahead_rows, xla in itertools.product([int(b) for b in args.batches.split(',')], backends,
-                                                             [int(r) for r in args.adaln_ahead_rows.split(',')],
-                                                             xla_variants(args.xla)):
+    for batch, backend, ahead_rows, chained_rows, xla in itertools.product(
+        [int(b) for b in args.batches.split(',')], backends, [int(r) for r in args.adaln_ahead_rows.split(',')],
+        [int(r) for r in args.chained_rows.split(',')], xla_variants(args.xla)):
       r = time_sampler(model_config(variant, args.dtype, backend), params, vae, batch, args.steps, args.cfg,
-                       args.warmup, args.iters, ahead_rows, xla, args.profile)
+                       args.warmup, args.iters, ahead_rows, chained_rows, xla, args.profile)
       r.update(variant=variant, batch=batch, steps=args.steps, dtype=args.dtype, backend=backend,
-               adaln_ahead_rows=ahead_rows, xla=xla, tflops_per_image=None if not flops else flops['per_image'] / 1e12,
+               adaln_ahead_rows=ahead_rows, chained_rows=chained_rows, xla=xla, tflops_per_image=None if not flops else flops['per_image'] / 1e12,
                floor_ms=bound['seconds'] * 1e3, traffic_floor_ms=r['traffic_bytes'] / bandwidth * 1e3,
                bandwidth_gb_s=bandwidth / 1e9)
       rows.append(r)
-      print(f"  B={batch:<3} {backend} attention, adaLN ahead <= {ahead_rows:3} rows{f' XLA {xla}' if xla else ''}: "
+      print(f"  B={batch:<3} {backend} attention, adaLN ahead <= {ahead_rows:3} rows, chained <= {chained_rows:3}"
+            f"{f' XLA {xla}' if xla else ''}: "
             f"compile {r['compile_s']:6.1f} s  median {r['median_ms']:9.2f} ms  "
             f"per image {r['per_image_ms']:8.2f} ms  (min {r['min_ms']:.2f}, max {r['max_ms']:.2f})  "
             f"{r['median_ms'] / r['floor_ms']:.2f}x the floor {r['floor_ms']:.2f} ms, "

@@ -3,13 +3,15 @@ layer, and patch (un)folding. The AR's block is the shared timm ViT block
 (`var_models.nn.vit.Block`), whose attention appends to and reads a `KVCache`."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from var_models.nn.blocks import FFN, concat_dense, layer_norm, modulate
+import pallas_kernels as pk
+from var_models.nn.blocks import FFN, concat_dense, layer_norm, modulate, unbiased
 from var_models.nn.vit import Attention, xavier_uniform
 
 Array = jax.Array
@@ -55,6 +57,27 @@ class DiTBlock(nn.Module):
     x = x + gate1 * self.attn(modulate(self.norm(x), scale1, shift1))[0]
     return x + gate2 * self.mlp(modulate(self.norm(x), scale2, shift2))
 
+  def chained(self, x: Array, h: Array, mods: Array, slot: int, next_slots: tuple[int, int],
+              impl: str = 'auto') -> tuple[Array, Array]:
+    """The block as a sampler on a few rows runs it, each sub-layer's gated residual and the next
+    LayerNorm and modulation one `pallas_kernels.residual_norm` (three XLA kernels otherwise):
+    x [B, l, C] float32, h its first sub-layer's input (made by the block before, or
+    `modulated_norm`), mods [B, l, K, C] a denoiser's adaLN outputs (this block's six from
+    `slot`), next_slots: the (shift, scale) slots of the LayerNorm after the block -> (x after the
+    block, that LayerNorm's modulated output). The same values as __call__ (to rounding)."""
+    b, l, c = x.shape
+    rows = lambda a: a.reshape(b * l, *a.shape[2:])
+    residual_norm = functools.partial(pk.residual_norm, mod=rows(mods), eps=self.norm.epsilon, impl=impl)
+    y, bias = unbiased(self.attn.proj, self.attn(h, project=False)[0])
+    x, h = residual_norm(rows(x), rows(y), bias, slots=(slot + 2, slot + 3, slot + 4))
+    y, bias = self.mlp(h.reshape(b, l, c), project=False)
+    x, h = residual_norm(x, rows(y), bias, slots=(slot + 5, *next_slots))
+    return x.reshape(b, l, c), h.reshape(b, l, c)
+
+  def modulated_norm(self, x: Array, mods: Array, slot: int) -> Array:
+    """The first sub-layer's input of `chained`: x's LayerNorm modulated by mods[..., slot + (0, 1), :]."""
+    return modulate(self.norm(x), mods[..., slot + 1, :], mods[..., slot, :])
+
 
 class FinalLayer(nn.Module):
   """Per-token adaLN (shift, scale) then Linear to the patch values, zero-initialised. [B, l, C] -> [B, l, D]."""
@@ -63,11 +86,13 @@ class FinalLayer(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: Array, c: Array, mod: Optional[Array] = None) -> Array:
-    if mod is None:
-      mod = nn.Dense(2 * self.width, kernel_init=_zeros, dtype=self.dtype, name='adaLN_modulation')(nn.silu(c))
-    shift, scale = jnp.split(mod, 2, axis=-1)
-    x = modulate(layer_norm(1e-6, self.dtype)(x), scale, shift)
+  def __call__(self, x: Array, c: Array, mod: Optional[Array] = None, normed: bool = False) -> Array:
+    """normed: x is already the modulated LayerNorm (`DiTBlock.chained`'s second output)."""
+    if not normed:
+      if mod is None:
+        mod = nn.Dense(2 * self.width, kernel_init=_zeros, dtype=self.dtype, name='adaLN_modulation')(nn.silu(c))
+      shift, scale = jnp.split(mod, 2, axis=-1)
+      x = modulate(layer_norm(1e-6, self.dtype)(x), scale, shift)
     return nn.Dense(self.out_dim, kernel_init=_zeros, dtype=self.dtype, name='linear')(x)
 
 

@@ -153,6 +153,13 @@ class ARTransformer(nn.Module):
     return r
 
 
+# Rows (a call's tokens) up to which a sampler's unrolled denoiser, its adaLN outputs computed ahead,
+# chains its blocks through `pallas_kernels.residual_norm` (`DiTBlock.chained`): one kernel for each
+# gated residual and the LayerNorm after it, where XLA runs three of a few microseconds each. Read
+# when a sampler is traced.
+CHAINED_MAX_ROWS = 128
+
+
 class Denoiser(nn.Module):
   """The flow denoiser of one stage."""
   cfg: ECARConfig
@@ -178,11 +185,15 @@ class Denoiser(nn.Module):
     """x [B, g, g, D], timestep [B], cond [B, N_s, W] from `condition` -> velocity [B, g, g, D] float32.
     adaln: `layers.merged_adaln` of this denoiser's params, to run every adaLN Linear as one GEMM;
     ahead: that GEMM's output for this call's (timestep, cond) [B, N_s, sum], computed before the
-    flow loop (`adaln_outputs`): timestep and cond are then not read. stacked: `stacked_blocks()`,
-    made outside the flow loop, to run the blocks as one `lax.scan` over them (`train`: as
-    `scan.scan_blocks` takes it)."""
+    flow loop (`adaln_outputs`): timestep and cond are then not read, and on up to
+    `CHAINED_MAX_ROWS` rows the unrolled blocks run chained (`_chained`). stacked:
+    `stacked_blocks()`, made outside the flow loop, to run the blocks as one `lax.scan` over them
+    (`train`: as `scan.scan_blocks` takes it)."""
     cfg = self.cfg
     h = self.x_embed(patchify(x.astype(jnp.float32), cfg.patch_size)) + self.pos_embed
+    if ahead is not None and stacked is None and not train and h.shape[0] * h.shape[1] <= CHAINED_MAX_ROWS:
+      out = self._chained(h, ahead.reshape(*ahead.shape[:2], -1, cfg.den_width))
+      return unpatchify(out.astype(jnp.float32), cfg.patch_size, cfg.stage_sizes[self.stage])
     c = None if ahead is not None else cond + self.t_embed(timestep)[:, None]
     mods = [None] * (len(self.blocks) + 1)
     if ahead is not None:
@@ -198,6 +209,15 @@ class Denoiser(nn.Module):
         h = block(h, c, mod)
     out = self.final(h, c, mods[-1]).astype(jnp.float32)
     return unpatchify(out, cfg.patch_size, cfg.stage_sizes[self.stage])
+
+  def _chained(self, h: Array, table: Array) -> Array:
+    """The blocks and the final layer on h [B, N_s, W] as `DiTBlock.chained` runs them, table [B,
+    N_s, 6 depth + 2, W] the adaLN outputs (slots 6i..6i+5 block i's, 6 depth + (0, 1) the final
+    layer's shift and scale) -> [B, N_s, patch values]."""
+    normed = self.blocks[0].modulated_norm(h, table, 0)
+    for i, block in enumerate(self.blocks):
+      h, normed = block.chained(h, normed, table, 6 * i, (6 * i + 6, 6 * i + 7))
+    return self.final(normed, None, normed=True)
 
   def stacked_blocks(self) -> Any:
     """The blocks' parameters on a leading layer axis (`scan.stack_of`), for a sampler to take once,

@@ -1,6 +1,7 @@
 """pallas_kernels: block-sparse cross-scale attention, gathered-key attention, attention over a
 few tokens, attention column sums per query group, top-k selection, top-k token gather/scatter,
-dense + GELU, a dense layer of weights stacked on a layer axis.
+dense + GELU, a dense layer of weights stacked on a layer axis, a gated residual with the next
+modulated LayerNorm.
 
 Kernels in Pallas (Triton lowering on NVIDIA GPUs; the block-sparse attention, both
 directions, also in Mosaic GPU on Hopper; dense + GELU in Mosaic GPU only), their
@@ -20,6 +21,7 @@ from pallas_kernels.layout import (BlockLayout, default_block, dense_layout, lay
                                    layout_from_mask, layout_from_rows, level_causal_layout,
                                    scale_causal_layout, schedule_levels, whole_tile_layout)
 from pallas_kernels.reference import masked_attention
+from pallas_kernels.residual_norm import residual_norm
 from pallas_kernels.sparse_attention import MAX_HEAD_DIM, block_sparse_attention
 from pallas_kernels.top_k import top_k_indices
 from pallas_kernels.token_gather import gather_rows, token_scatter, topk_gather
@@ -30,6 +32,6 @@ __all__ = [
     'layer_dense', 'BlockLayout', 'default_block', 'dense_layout', 'layout_density',
     'layout_from_mask', 'layout_from_rows', 'level_causal_layout', 'scale_causal_layout',
     'schedule_levels', 'whole_tile_layout',
-    'masked_attention', 'MAX_HEAD_DIM', 'block_sparse_attention', 'gather_rows',
+    'masked_attention', 'residual_norm', 'MAX_HEAD_DIM', 'block_sparse_attention', 'gather_rows',
     'token_scatter', 'topk_gather', 'top_k_indices',
 ]

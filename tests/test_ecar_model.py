@@ -209,3 +209,24 @@ def test_sampling_flops_count_every_denoiser_weight_on_every_token_of_both_cfg_h
     weights = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(den) if path[-1].key == 'kernel')
     dense = 2 * 2 * CFG.stage_tokens[s] * weights
     assert dense <= step <= 1.5 * dense  # the rest: attention's q.k and p.v
+
+
+@pytest.mark.parametrize('impl', ['reference', 'interpret'])
+def test_chained_blocks_draw_each_blocks_images(monkeypatch, impl):
+  """Two blocks a denoiser chained through `residual_norm` (its reference: the same operations, so
+  the same bits; the kernel in interpret mode: float32 rounding) against each block whole, the
+  adaLN outputs ahead in both; the condition cache's conditional-only steps included."""
+  import pallas_kernels as pk
+  from accel.ecar_caches import ECARConditionCache
+  from ecar import model as ecar_model
+  cfg = dataclasses.replace(CFG, den_depth=2)
+  p = _perturbed(ecar.init_params(cfg, jax.random.key(0)))
+  images = {}
+  for rows in (0, 128):
+    monkeypatch.setattr(ecar_model, 'CHAINED_MAX_ROWS', rows)
+    with pk.override(impl):
+      sample = ecar.make_sampler(cfg, num_steps=(3, 3, 3), policy=ECARConditionCache(interval=2))
+      images[rows] = np.asarray(sample({'ecar': p}, jax.random.key(1), LABELS, cfg=2.0)[0])
+  tolerance = 0 if impl == 'reference' else 1e-5
+  np.testing.assert_allclose(images[128], images[0], rtol=0, atol=tolerance)
+  assert images[0].std() > 0.1

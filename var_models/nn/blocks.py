@@ -132,10 +132,22 @@ class FFN(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: Array, deterministic: bool = True) -> Array:
+  def __call__(self, x: Array, deterministic: bool = True, project: bool = True) -> Array:
+    """project=False: (fc2's product without its bias, the bias), for a caller that fuses the bias
+    with what follows (`unbiased`)."""
     x = DenseGELU(self.hidden, self.dense_init, self.dtype, name='fc1')(x, fused=deterministic)
-    x = nn.Dense(self.width, kernel_init=self.proj_init, dtype=self.dtype, name='fc2')(x)
-    return nn.Dropout(self.dropout)(x, deterministic=deterministic)
+    fc2 = nn.Dense(self.width, kernel_init=self.proj_init, dtype=self.dtype, name='fc2')
+    if not project:
+      return unbiased(fc2, x)
+    return nn.Dropout(self.dropout)(fc2(x), deterministic=deterministic)
+
+
+def unbiased(dense: nn.Dense, x: Array) -> tuple[Array, Array]:
+  """A bound nn.Dense's product x @ kernel [..., N] and its bias [N] apart, in the Dense's dtype
+  (their sum is the Dense's output): for a kernel that adds the bias with what follows it."""
+  p = dense.variables['params']
+  x, kernel, bias = nn.dtypes.promote_dtype(x, p['kernel'], p['bias'], dtype=dense.dtype)
+  return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ()))), bias
 
 
 def residual(module: nn.Module, x: Array, branch: Callable, site: str, hooks: Optional['BlockHooks'],

@@ -46,10 +46,11 @@ class Attention(nn.Module):
     self.drop = nn.Dropout(self.proj_drop)
 
   def __call__(self, x: Array, *, mask: attn_lib.Mask = None, kv: Optional[attn_lib.KVCache] = None,
-               kv_hook: Optional[Callable] = None, deterministic: bool = True):
+               kv_hook: Optional[Callable] = None, deterministic: bool = True, project: bool = True):
     """Returns (out, kv, kv_hook's state). With a cache, x's keys and values are appended and
     the queries see every cached one. `kv_hook(k, v) -> (k, v, state)` instead replaces
-    them by what a policy's cache holds; without it state is None."""
+    them by what a policy's cache holds; without it state is None. project=False: out is the
+    heads' output before `proj` (a caller that fuses the projection's bias with what follows)."""
     b, l, c = x.shape
     h = self.num_heads
     q, k, v = jnp.moveaxis(self.qkv(x).reshape(b, l, 3, h, c // h), 2, 0)
@@ -62,7 +63,8 @@ class Attention(nn.Module):
     out = attn_lib.attention(q, k, v, mask=mask, backend=self.backend, kv_len=kv_len,
                              dropout_rate=self.attn_drop if dropping else 0.0,
                              dropout_rng=self.make_rng('dropout') if dropping else None)
-    return self.drop(self.proj(out.reshape(b, l, c)), deterministic=deterministic), kv, state
+    out = out.reshape(b, l, c)
+    return self.drop(self.proj(out), deterministic=deterministic) if project else out, kv, state
 
 
 def _gelu_float32(x: Array) -> Array:
