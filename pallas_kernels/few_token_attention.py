@@ -8,8 +8,10 @@ Triton's tensors have power-of-two sizes: a program reads its (batch, head)'s [L
 q, k, v [B, L, H, D] in place as a block with L and D rounded up to powers of two (at least 16,
 the smallest Triton dot), masked loads filling the overhang with zeros and a masked store
 writing only the real rows and columns, so no copy runs around the kernel; the padded keys are
-masked out of the softmax. The backward pass is the reference's: the `cudnn` attention backend
-runs the kernel only where a call is not differentiated, training keeps cuDNN.
+masked out of the softmax. A packed qkv [B, L, 3, H, D] (a fused projection's output) is read
+the same way, each of q, k and v at its slot of the third axis. The backward pass is the
+reference's: the `cudnn` attention backend runs the kernel only where a call is not
+differentiated, training keeps cuDNN.
 """
 from __future__ import annotations
 
@@ -49,24 +51,41 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, *, lq: int, lk: int, d: int, scale: floa
   plgpu.store(o_ref, o.astype(o_ref.dtype), mask=within(o_ref.shape[0], lq))
 
 
+def _operands(q, k, v) -> tuple:
+  """The (array, slot) q, k and v are read from: with k and v None, q is a packed qkv [B, L, 3, H,
+  D] and slot its third axis's index; else each its own [B, L, H, D] array."""
+  return ((q, 0), (q, 1), (q, 2)) if k is None else ((q, None), (k, None), (v, None))
+
+
+def _split(q, k, v) -> tuple:
+  return tuple(a if s is None else a[:, :, s] for a, s in _operands(q, k, v))
+
+
 def _forward(q, k, v, lk: int, scale: float, interpret: bool):
   """Keys [0, lk) of k, v; the rows after them (a KV cache's spare rows) are never read."""
-  b, lq, h, d = q.shape
+  (b, lq), (h, d) = q.shape[:2], q.shape[-2:]
   d_p = _padded(d)
-  spec = lambda n: pl.BlockSpec((pl.squeezed, _padded(n), pl.squeezed, d_p), lambda i, j: (i, 0, j, 0))
+
+  def spec(n: int, slot: Optional[int]):
+    if slot is None:
+      return pl.BlockSpec((pl.squeezed, _padded(n), pl.squeezed, d_p), lambda i, j: (i, 0, j, 0))
+    return pl.BlockSpec((pl.squeezed, _padded(n), pl.squeezed, pl.squeezed, d_p), lambda i, j: (i, 0, slot, j, 0))
+
+  operands = _operands(q, k, v)
   return pl.pallas_call(
       functools.partial(_kernel, lq=lq, lk=lk, d=d, scale=scale),
       grid=(b, h),
-      in_specs=[spec(lq), spec(lk), spec(lk)],
-      out_specs=spec(lq),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      in_specs=[spec(n, slot) for (_, slot), n in zip(operands, (lq, lk, lk))],
+      out_specs=spec(lq, None),
+      out_shape=jax.ShapeDtypeStruct((b, lq, h, d), q.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret,
       name='few_token_attention',
-  )(q, k, v)
+  )(*(a for a, _ in operands))
 
 
 def _reference(q, k, v, lk: int, scale: float):
+  q, k, v = _split(q, k, v)
   k, v = k[:, :lk], v[:, :lk]
   return reference.masked_attention(q, k, v, jnp.ones((1, q.shape[1], lk), bool), scale)[0]
 
@@ -88,10 +107,18 @@ def _attention_bwd(lk, scale, interpret, residuals, do):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def unsupported(q, k, v, kv_len: Optional[int] = None) -> str:
+def unsupported(q, k=None, v=None, kv_len: Optional[int] = None) -> str:
   """Why few_token_attention does not take these inputs ('' when it does)."""
-  if q.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-    return f'q [B, Lq, H, D], k and v [B, Lk, H, D] expected, got {q.shape}, {k.shape}, {v.shape}'
+  if k is None and v is None:
+    if q.ndim != 5 or q.shape[2] != 3:
+      return f'a packed qkv [B, L, 3, H, D] expected (k and v None), got {q.shape}'
+    if kv_len is not None:
+      return f'a packed qkv is self-attention over its own keys: no kv_len, got {kv_len}'
+    q = k = v = jax.ShapeDtypeStruct(q.shape[:2] + q.shape[3:], q.dtype)
+  if k is None or v is None or q.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] \
+      or q.shape[2:] != k.shape[2:]:
+    return (f'q [B, Lq, H, D], k and v [B, Lk, H, D] expected, got {q.shape}, {getattr(k, "shape", k)}, '
+            f'{getattr(v, "shape", v)}')
   if kv_len is not None and not 0 < kv_len <= k.shape[1]:
     return f'kv_len must be in (0, Lk = {k.shape[1]}], got {kv_len}'
   lk = k.shape[1] if kv_len is None else kv_len
@@ -108,21 +135,23 @@ def unsupported(q, k, v, kv_len: Optional[int] = None) -> str:
   return ''
 
 
-def few_token_attention(q, k, v, *, scale: Optional[float] = None, kv_len: Optional[int] = None,
+def few_token_attention(q, k=None, v=None, *, scale: Optional[float] = None, kv_len: Optional[int] = None,
                         impl: str = 'auto'):
   """Softmax attention, every query over every key: q [B, Lq, H, D], k and v [B, Lk, H, D] ->
   [B, Lq, H, D] in q's dtype; logits and softmax in float32, scale default 1/sqrt(D). Only the
   first `kv_len` keys (default Lk) count, a KV cache's buffer read in place: Lq and kv_len at most
-  MAX_TOKENS, D at most MAX_HEAD_DIM. `impl`: see `pallas_kernels.dispatch` (no Mosaic GPU
-  kernel: 'auto' runs the Triton lowering on every NVIDIA GPU)."""
+  MAX_TOKENS, D at most MAX_HEAD_DIM. With k and v None, q is a packed qkv [B, L, 3, H, D] (a
+  fused qkv projection's output), its three parts read in place. `impl`: see
+  `pallas_kernels.dispatch` (no Mosaic GPU kernel: 'auto' runs the Triton lowering on every NVIDIA
+  GPU)."""
   why = unsupported(q, k, v, kv_len)
   if why:
     raise ValueError(f'few_token_attention: {why}')
-  scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   impl = dispatch.resolve(impl)
   if impl == 'mosaic':
     raise ValueError(f"impl='mosaic': {dispatch.NO_MOSAIC}")
-  lk = k.shape[1] if kv_len is None else kv_len
+  lk = q.shape[1] if k is None else k.shape[1] if kv_len is None else kv_len
   if impl == 'reference':
     return _reference(q, k, v, lk, scale)
   return _attention(q, k, v, lk, scale, impl == 'interpret')

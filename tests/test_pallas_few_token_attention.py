@@ -133,3 +133,44 @@ def test_cudnn_backend_runs_the_kernel_only_where_the_call_is_not_differentiated
   want = jax.grad(loss(call(dense)), argnums=(0, 1, 2))(q, k, v)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_packed_qkv_is_read_in_place_and_equals_its_slices():
+  """A fused projection's qkv [B, L, 3, H, D]: the kernel reads its three parts in place (no slice
+  in the lowered program), with the slices' values and gradients."""
+  qkv = jnp.stack(_qkv(6, 16, 16, h=2, d=24), axis=2)
+  parts = lambda x: (x[:, :, 0], x[:, :, 1], x[:, :, 2])
+  got = few_token_attention(qkv, scale=0.3, impl='interpret')
+  np.testing.assert_allclose(np.asarray(got), np.asarray(_want(*parts(qkv), 0.3)), rtol=2e-5, atol=2e-5)
+  loss = lambda f: lambda x: jnp.sum(jnp.sin(f(x)))
+  g = jax.grad(loss(lambda x: few_token_attention(x, scale=0.3, impl='interpret')))(qkv)
+  w = jax.grad(loss(lambda x: _want(*parts(x), 0.3)))(qkv)
+  np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+  shape = jax.ShapeDtypeStruct((2, 64, 3, 16, 72), jnp.bfloat16)
+  text = jax.jit(lambda x: few_token_attention(x, impl='triton')).trace(shape).lower(
+      lowering_platforms=('cuda',)).as_text()
+  assert 'few_token_attention' in text and 'stablehlo.slice' not in text
+  with pytest.raises(ValueError, match=r'a packed qkv \[B, L, 3, H, D\] expected'):
+    few_token_attention(qkv[:, :, :2])
+
+
+@pytest.mark.parametrize('backend', ['cudnn', 'pallas'])
+def test_backends_read_a_packed_qkv_in_place_where_they_run_the_kernel(backend):
+  """`attention(qkv)` (self-attention of a packed qkv): the few-token backends lower to the kernel
+  with no slice of it; the xla backend computes the slices' attention; differentiated, the `cudnn`
+  backend's wrapper keeps the wrapped backend (here xla's: cuDNN's backward needs a GPU)."""
+  qkv = jnp.stack(_qkv(7, 16, 16, h=2, d=72, dtype=jnp.bfloat16), axis=2)
+  text = lambda f: jax.jit(f).trace(qkv).lower(lowering_platforms=('cuda',)).as_text()
+  run = lambda x: attention(x, backend=backend)
+  routed = attention_lib._few_tokens_on_the_kernel(attention_lib._BACKENDS['xla'])
+  packed = lambda x: routed(*(x[:, :, i] for i in range(3)), None, 0.3, None, packed=x)
+  with pallas_kernels.override('triton'):
+    lowered = text(run)
+    assert 'few_token_attention' in lowered and 'stablehlo.slice' not in lowered
+    assert 'few_token_attention' not in text(jax.grad(lambda x: jnp.sum(packed(x).astype(jnp.float32))))
+  with pallas_kernels.override('interpret'):
+    got = np.asarray(run(qkv), np.float32)
+  want = np.asarray(attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], backend='xla'), np.float32)
+  np.testing.assert_allclose(got, want, atol=2e-2)
+  np.testing.assert_array_equal(np.asarray(attention(qkv, backend='xla')), np.asarray(
+      attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], backend='xla')))

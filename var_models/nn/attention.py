@@ -1,6 +1,7 @@
 """The one attention entry point of every model, and its KV cache.
 
-Models call `attention(q, k, v, mask=..., backend=...)`; the backend is a
+Models call `attention(q, k, v, mask=..., backend=...)` (a cache-free self-attention
+`attention(qkv, ...)` with its projection's packed output); the backend is a
 config string, so kernels plug in (`register_backend`) without touching a model.
 Masks are descriptions, not dense arrays, so a backend can exploit structure:
   None                  -- every query sees every key;
@@ -129,14 +130,23 @@ def _few_token_call(q, k, v, mask: Mask, kv_len: Optional[int]) -> bool:
   return mask is None and not pk.few_token_attention_unsupported(q, k, v, kv_len)
 
 
-def _pallas_backend(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
+def _few_token_kernel(q, k, v, scale: float, kv_len: Optional[int], packed: Optional[jax.Array]):
+  """`few_token_attention` on q, k, v, or on the packed qkv they were cut from (read in place)."""
+  import pallas_kernels as pk
+  if packed is not None:
+    return pk.few_token_attention(packed, scale=scale)
+  return pk.few_token_attention(q, k, v, scale=scale, kv_len=kv_len)
+
+
+def _pallas_backend(q, k, v, mask: Mask, scale: float, kv_len: Optional[int], packed: Optional[jax.Array] = None):
   """pallas_kernels' attention: unmasked over at most `FEW_TOKENS` queries and keys (of a
-  kv_len's), one kernel holding them all (`few_token_attention`); else the block-sparse kernel,
-  which skips the tiles a ScaleCausal mask or a kv_len excludes. TokenMask (possibly traced, per
-  batch) and head dims or dtypes the kernels do not take go to xla."""
+  kv_len's), one kernel holding them all (`few_token_attention`, reading `packed` in place where
+  given); else the block-sparse kernel, which skips the tiles a ScaleCausal mask or a kv_len
+  excludes. TokenMask (possibly traced, per batch) and head dims or dtypes the kernels do not take
+  go to xla."""
   import pallas_kernels as pk
   if _few_token_call(q, k, v, mask, kv_len):
-    return pk.few_token_attention(q, k, v, scale=scale, kv_len=kv_len)
+    return _few_token_kernel(q, k, v, scale, kv_len, packed)
   d = q.shape[-1]
   if (isinstance(mask, TokenMask) or d < 16 or d > pk.MAX_HEAD_DIM or d & (d - 1)
       or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16)):
@@ -150,14 +160,14 @@ def _pallas_backend(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
 
 
 def _undifferentiated(fast: Callable, differentiable: Callable) -> Callable:
-  """(q, k, v) -> `fast`'s output where the call is not differentiated, and `differentiable`'s
+  """(*arrays) -> `fast`'s output where the call is not differentiated, and `differentiable`'s
   forward and backward where it is (JAX calls a custom VJP's forward rule only under
   differentiation)."""
   @jax.custom_vjp
-  def run(q, k, v):
-    return fast(q, k, v)
+  def run(*arrays):
+    return fast(*arrays)
 
-  run.defvjp(lambda q, k, v: jax.vjp(differentiable, q, k, v), lambda vjp, g: vjp(g))
+  run.defvjp(lambda *arrays: jax.vjp(differentiable, *arrays), lambda vjp, g: vjp(g))
   return run
 
 
@@ -168,13 +178,14 @@ def _few_tokens_on_the_kernel(backend: Backend) -> Backend:
   `few_token_attention`, one kernel where cuDNN's call adds a memset and ~5 us of launch gaps:
   E-CAR-L samples 10 % faster (benchmarks/RESULTS.md). Differentiated, the call keeps `backend`'s
   forward and backward: on the kernel with XLA's backward E-CAR-B's train step was 2.3 % slower."""
-  def run(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
-    import pallas_kernels as pk
+  def run(q, k, v, mask: Mask, scale: float, kv_len: Optional[int], packed: Optional[jax.Array] = None):
     dense = lambda q, k, v: backend(q, k, v, mask, scale, kv_len)
     if not (_cudnn_takes(q) and _few_token_call(q, k, v, mask, kv_len)):
       return dense(q, k, v)
-    fast = lambda q, k, v: pk.few_token_attention(q, k, v, scale=scale, kv_len=kv_len)
-    return _undifferentiated(fast, dense)(q, k, v)
+    if packed is None:
+      return _undifferentiated(lambda *a: _few_token_kernel(*a, scale, kv_len, None), dense)(q, k, v)
+    fast = lambda qkv: _few_token_kernel(None, None, None, scale, None, qkv)
+    return _undifferentiated(fast, lambda qkv: dense(*_unpacked(qkv)))(packed)
   return run
 
 
@@ -183,11 +194,22 @@ _BACKENDS: dict[str, Backend] = {
     'cudnn': _few_tokens_on_the_kernel(_dense_backend('cudnn')),
     'pallas': _pallas_backend,
 }
+# The backends that take `packed=` (a self-attention call's qkv [B, L, 3, H, D], q, k and v its
+# slices), to read it in place where they run `few_token_attention`: a slice of it for each of
+# q, k and v would be a copy kernel before every call.
+_READS_PACKED = {'cudnn', 'pallas'}
 
 
-def register_backend(name: str, fn: Backend) -> None:
-  """Adds a backend `fn(q, k, v, mask, scale, kv_len) -> out` under `name`."""
+def register_backend(name: str, fn: Backend, reads_packed: bool = False) -> None:
+  """Adds a backend `fn(q, k, v, mask, scale, kv_len) -> out` under `name` (`reads_packed`: fn
+  also takes `packed=`, see `_READS_PACKED`)."""
   _BACKENDS[name] = fn
+  (_READS_PACKED.add if reads_packed else _READS_PACKED.discard)(name)
+
+
+def _unpacked(qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """qkv [B, L, 3, H, D] -> q, k, v [B, L, H, D]."""
+  return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
 
 
 def backends() -> tuple[str, ...]:
@@ -211,11 +233,13 @@ def _dropout_attention(q, k, v, mask: Mask, scale: float, rate: float, rng) -> j
   return jnp.einsum('bhqk,bkhd->bqhd', probs, v)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: Mask = None,
+def attention(q: jax.Array, k: Optional[jax.Array] = None, v: Optional[jax.Array] = None, *, mask: Mask = None,
               scale: Optional[float] = None, backend: str = 'xla',
               kv_len: Optional[int] = None, dropout_rate: float = 0.0,
               dropout_rng: Optional[jax.Array] = None) -> jax.Array:
-  """Softmax attention. q [B, Lq, H, D], k and v [B, Lk, H, D] -> [B, Lq, H, D].
+  """Softmax attention. q [B, Lq, H, D], k and v [B, Lk, H, D] -> [B, Lq, H, D]; or, with k and v
+  None, self-attention of a packed qkv [B, L, 3, H, D] (a fused qkv projection's output), which a
+  backend may read in place (`_READS_PACKED`).
 
   `scale` multiplies q.k (default 1/sqrt(D)); softmax runs in float32.
   `kv_len` (static) uses only the first kv_len keys: a KV cache is read in
@@ -224,6 +248,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: Mask = None,
   to the explicit computation then).
   """
   check_backend(backend)
+  packed = None
+  if k is None or v is None:
+    if k is not None or v is not None or q.ndim != 5 or q.shape[2] != 3 or kv_len is not None:
+      raise ValueError(f'attention of a packed qkv takes [B, L, 3, H, D] and no kv_len, got {q.shape}, '
+                       f'kv_len={kv_len}')
+    packed, (q, k, v) = q, _unpacked(q)
   _check(q, k, v, mask)
   if kv_len is not None and not 0 < kv_len <= k.shape[1]:
     raise ValueError(f'kv_len must be in (0, {k.shape[1]}], got {kv_len}')
@@ -241,6 +271,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: Mask = None,
     if kv_len is not None:
       k, v = k[:, :kv_len], v[:, :kv_len]
     return _dropout_attention(q, k, v, mask, scale, dropout_rate, dropout_rng)
+  if packed is not None and backend in _READS_PACKED:
+    return _BACKENDS[backend](q, k, v, mask, scale, kv_len, packed=packed)
   return _BACKENDS[backend](q, k, v, mask, scale, kv_len)
 
 

@@ -53,7 +53,8 @@ class Attention(nn.Module):
     heads' output before `proj` (a caller that fuses the projection's bias with what follows)."""
     b, l, c = x.shape
     h = self.num_heads
-    q, k, v = jnp.moveaxis(self.qkv(x).reshape(b, l, 3, h, c // h), 2, 0)
+    qkv = self.qkv(x).reshape(b, l, 3, h, c // h)
+    q, k, v = (qkv, None, None) if kv_hook is None and kv is None else jnp.moveaxis(qkv, 2, 0)   # packed
     state, kv_len = None, None
     if kv_hook is not None:
       k, v, state = kv_hook(k, v)
