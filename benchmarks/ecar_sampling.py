@@ -112,7 +112,8 @@ def main():
       r = time_sampler(model_config(variant, args.dtype, backend), params, vae, batch, args.steps, args.cfg,
                        args.warmup, args.iters, ahead_rows, chained_rows, xla, args.profile)
       r.update(variant=variant, batch=batch, steps=args.steps, dtype=args.dtype, backend=backend,
-               adaln_ahead_rows=ahead_rows, chained_rows=chained_rows, xla=xla, tflops_per_image=None if not flops else flops['per_image'] / 1e12,
+               adaln_ahead_rows=ahead_rows, chained_rows=chained_rows, xla=xla,
+               tflops_per_image=None if not flops else flops['per_image'] / 1e12,
                floor_ms=bound['seconds'] * 1e3, traffic_floor_ms=r['traffic_bytes'] / bandwidth * 1e3,
                bandwidth_gb_s=bandwidth / 1e9)
       rows.append(r)
