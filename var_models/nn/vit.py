@@ -54,7 +54,8 @@ class Attention(nn.Module):
     b, l, c = x.shape
     h = self.num_heads
     qkv = self.qkv(x).reshape(b, l, 3, h, c // h)
-    q, k, v = (qkv, None, None) if kv_hook is None and kv is None else jnp.moveaxis(qkv, 2, 0)   # packed
+    # Without a cache or hook, `attention` takes qkv packed (a backend may read it in place).
+    q, k, v = (qkv, None, None) if kv_hook is None and kv is None else jnp.moveaxis(qkv, 2, 0)
     state, kv_len = None, None
     if kv_hook is not None:
       k, v, state = kv_hook(k, v)
