@@ -115,9 +115,11 @@ def trace_events(run: Callable[[], None], logdir: str) -> dict[str, list[tuple[s
 
 
 def top_ops(events, top: int = 25):
-  """`trace_events(...)['device']` -> ([(line, op name, total ms, count)] of the `top` ops by time, {line: busy ms})."""
+  """`trace_events(...)['device']` -> ([(line, op name, total ms, count)] of the `top` ops by time, {line: busy ms}).
+  A Pallas kernel's call sites (`name__3`, `name__5`, ...) count as one op."""
   total, count, busy = collections.Counter(), collections.Counter(), collections.Counter()
   for line, name, _, dur in events:
+    name = re.sub(r'__\d+$', '', name)
     total[line, name] += dur / 1e3
     count[line, name] += 1
     busy[line] += dur / 1e3
@@ -166,11 +168,13 @@ def device_gap_summary(events: dict, top: int = 8) -> str:
 
 
 def print_top_device_ops(run: Callable[[], None], logdir: str, top: int = 30) -> None:
-  """Traces run() (see `trace_events`) and prints each device line's busy time, the top ops and the
-  device's idle gaps (`device_gap_summary`)."""
+  """Traces run() (see `trace_events`) and prints each device line's busy time and its time by
+  kernel kind (`kernel_class`), the top ops and the device's idle gaps (`device_gap_summary`)."""
   events = trace_events(run, logdir)
   ops, busy = top_ops(events['device'], top)
   print(f'  device lines, busy ms in one call: {busy}', flush=True)
+  for line, (_, _, by_class, _) in line_splits(events['device']).items():
+    print(f'  [{line[:20]}] by kind, ms: ' + ', '.join(f'{c} {ms:.2f}' for c, ms in by_class.most_common()), flush=True)
   for line, name, ms, n in ops:
     print(f'  {ms:8.2f} ms  x{n:<6} [{line[:20]}] {name[:100]}', flush=True)
   print(device_gap_summary(events), flush=True)

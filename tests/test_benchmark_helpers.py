@@ -177,3 +177,16 @@ def test_compile_passes_sums_each_pass_and_gives_each_program_its_halves_and_its
   assert programs(halves) == [['jit__sample', 30731364e-6, 8413591e-6, {'priority-fusion': 1.5, 'cse': 0.002}],
                               ['jit__sample', 102920905e-6, 15604812e-6, {'priority-fusion': 0.5}],
                               ['jit_init', 1e-3, 0.0, {'priority-fusion': 0.25}]]
+
+
+def test_top_ops_counts_a_pallas_kernels_call_sites_as_one_op():
+  """`residual_norm__3` and `residual_norm__5` are one kernel; XLA's `loop_fusion_1` and
+  `loop_fusion_2` are different fusions and stay apart."""
+  from timing import top_ops
+  line = 'Stream #14(Compute)'
+  events = [(line, 'residual_norm__3', 0, 2000), (line, 'residual_norm__5', 5, 3000),
+            (line, 'loop_fusion_1', 9, 1000), (line, 'loop_fusion_2', 12, 1500)]
+  ops, busy = top_ops(events)
+  assert ops[0] == (line, 'residual_norm', 5.0, 2)
+  assert {name for _, name, _, _ in ops[1:]} == {'loop_fusion_1', 'loop_fusion_2'}
+  assert busy == {line: 7.5}
