@@ -4,8 +4,9 @@
   python benchmarks/ecar_sampling.py --variants tiny --batches 2 --steps 6 --iters 2 --dtype float32 --backend xla
 
 Random weights (our init; the SDXL VAE random too: its cost does not depend on its
-values), 250 Euler steps in all (a third per stage), CFG with the doubled batch
-(scale 1.5), VAE decoding included. Compile time is measured apart (lower +
+values), `prepare`d as a loader hands them (the denoisers' Dense layers in the compute dtype),
+250 Euler steps in all (a third per stage), CFG with the doubled batch (scale 1.5), VAE
+decoding included. Compile time is measured apart (lower +
 compile); run times are medians over --iters calls after --warmup calls, each
 with a fresh key, timed on the host after block_until_ready. FLOPs per image are
 matmul FLOPs counted on the sampler's jaxpr (`ecar.sampling_flops`), with and
@@ -55,7 +56,7 @@ def time_sampler(cfg, params, vae, batch: int, steps: int, guidance: float, warm
   ecar_model.CHAINED_MAX_ROWS = chained_rows
   sample = ecar.make_sampler(cfg, num_steps=steps)
   labels = np.arange(batch, dtype=np.int32) % cfg.num_classes
-  both = {'ecar': params, 'vae': vae}
+  both = sample.prepare({'ecar': params, 'vae': vae})   # as a loader hands them (`sampling.from_config`)
   compiled, row = time_compiled(sample.lower(both, jax.random.key(0), labels, cfg=guidance),
                                 lambda i: sample.arguments(both, jax.random.key(i), labels, cfg=guidance),
                                 batch, warmup, iters, xla)

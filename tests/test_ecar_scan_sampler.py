@@ -90,3 +90,17 @@ def test_config_and_override_build_the_scanned_sampler():
   assert sampling_from_config(config).settings['scan_blocks'] is False
   sampling = sampling_from_config(config, {'scan_blocks': True})
   assert sampling.settings['scan_blocks'] is True and sampling.make().scan_blocks
+
+
+@pytest.mark.parametrize('scan', [False, True])
+def test_prepared_parameters_hold_the_denoisers_dense_layers_in_the_compute_dtype(params, scan):
+  """bf16 compute: `prepare` casts the denoisers' Dense layers once (the call would cast them each
+  time), leaves the AR's and the LayerNorms' in float32, and samples the same bits."""
+  cfg = dataclasses.replace(CFG, dtype=jnp.bfloat16)
+  sample = ecar.make_sampler(cfg, num_steps=STEPS, scan_blocks=scan)
+  prepared = sample.prepare(params)
+  dtypes = lambda tree: {leaf.dtype for leaf in jax.tree_util.tree_leaves(tree)}
+  assert prepared['ecar']['denoiser_0']['x_embed']['kernel'].dtype == jnp.bfloat16
+  assert dtypes(prepared['ecar']['ar']) == {jnp.dtype(jnp.float32)}
+  np.testing.assert_array_equal(sample(params, jax.random.key(1), LABELS)[0],
+                                sample(prepared, jax.random.key(1), LABELS)[0])
