@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from var_models.nn.blocks import FFN, concat_dense, layer_norm, modulate, unbiased
+from var_models.nn.blocks import FFN, concat_dense, layer_norm, modulate
 from var_models.nn.vit import Attention, xavier_uniform
 
 Array = jax.Array
@@ -57,8 +57,7 @@ class DiTBlock(nn.Module):
     x = x + gate1 * self.attn(modulate(self.norm(x), scale1, shift1))[0]
     return x + gate2 * self.mlp(modulate(self.norm(x), scale2, shift2))
 
-  def chained(self, x: Array, h: Array, mods: Array, slot: int, next_slots: tuple[int, int],
-              impl: str = 'auto') -> tuple[Array, Array]:
+  def chained(self, x: Array, h: Array, mods: Array, slot: int, next_slots: tuple[int, int]) -> tuple[Array, Array]:
     """The block as a sampler on a few rows runs it, each sub-layer's gated residual and the next
     LayerNorm and modulation one `pallas_kernels.residual_norm` (three XLA kernels otherwise):
     x [B, l, C] float32, h its first sub-layer's input (made by the block before, or
@@ -67,8 +66,8 @@ class DiTBlock(nn.Module):
     block, that LayerNorm's modulated output). The same values as __call__ (to rounding)."""
     b, l, c = x.shape
     rows = lambda a: a.reshape(b * l, *a.shape[2:])
-    residual_norm = functools.partial(pk.residual_norm, mod=rows(mods), eps=self.norm.epsilon, impl=impl)
-    y, bias = unbiased(self.attn.proj, self.attn(h, project=False)[0])
+    residual_norm = functools.partial(pk.residual_norm, mod=rows(mods), eps=self.norm.epsilon)
+    y, bias = self.attn(h, project=False)[0]
     x, h = residual_norm(rows(x), rows(y), bias, slots=(slot + 2, slot + 3, slot + 4))
     y, bias = self.mlp(h.reshape(b, l, c), project=False)
     x, h = residual_norm(x, rows(y), bias, slots=(slot + 5, *next_slots))

@@ -130,12 +130,10 @@ def _few_token_call(q, k, v, mask: Mask, kv_len: Optional[int]) -> bool:
   return mask is None and not pk.few_token_attention_unsupported(q, k, v, kv_len)
 
 
-def _few_token_kernel(q, k, v, scale: float, kv_len: Optional[int], packed: Optional[jax.Array]):
-  """`few_token_attention` on q, k, v, or on the packed qkv they were cut from (read in place)."""
-  import pallas_kernels as pk
-  if packed is not None:
-    return pk.few_token_attention(packed, scale=scale)
-  return pk.few_token_attention(q, k, v, scale=scale, kv_len=kv_len)
+def _few_token_operands(q, k, v, packed: Optional[jax.Array]) -> tuple:
+  """What `few_token_attention` reads: the packed qkv q, k and v were cut from (read in place),
+  else q, k and v."""
+  return (q, k, v) if packed is None else (packed,)
 
 
 def _pallas_backend(q, k, v, mask: Mask, scale: float, kv_len: Optional[int], packed: Optional[jax.Array] = None):
@@ -146,7 +144,7 @@ def _pallas_backend(q, k, v, mask: Mask, scale: float, kv_len: Optional[int], pa
   go to xla."""
   import pallas_kernels as pk
   if _few_token_call(q, k, v, mask, kv_len):
-    return _few_token_kernel(q, k, v, scale, kv_len, packed)
+    return pk.few_token_attention(*_few_token_operands(q, k, v, packed), scale=scale, kv_len=kv_len)
   d = q.shape[-1]
   if (isinstance(mask, TokenMask) or d < 16 or d > pk.MAX_HEAD_DIM or d & (d - 1)
       or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16)):
@@ -179,13 +177,13 @@ def _few_tokens_on_the_kernel(backend: Backend) -> Backend:
   E-CAR-L samples 10 % faster (benchmarks/RESULTS.md). Differentiated, the call keeps `backend`'s
   forward and backward: on the kernel with XLA's backward E-CAR-B's train step was 2.3 % slower."""
   def run(q, k, v, mask: Mask, scale: float, kv_len: Optional[int], packed: Optional[jax.Array] = None):
+    import pallas_kernels as pk
     dense = lambda q, k, v: backend(q, k, v, mask, scale, kv_len)
     if not (_cudnn_takes(q) and _few_token_call(q, k, v, mask, kv_len)):
       return dense(q, k, v)
-    if packed is None:
-      return _undifferentiated(lambda *a: _few_token_kernel(*a, scale, kv_len, None), dense)(q, k, v)
-    fast = lambda qkv: _few_token_kernel(None, None, None, scale, None, qkv)
-    return _undifferentiated(fast, lambda qkv: dense(*_unpacked(qkv)))(packed)
+    fast = lambda *operands: pk.few_token_attention(*operands, scale=scale, kv_len=kv_len)
+    differentiable = dense if packed is None else lambda qkv: dense(*_unpacked(qkv))
+    return _undifferentiated(fast, differentiable)(*_few_token_operands(q, k, v, packed))
   return run
 
 

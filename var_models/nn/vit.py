@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from var_models.nn import attention as attn_lib
-from var_models.nn.blocks import BlockHooks, residual
+from var_models.nn.blocks import BlockHooks, residual, unbiased
 
 Array = jax.Array
 
@@ -49,8 +49,9 @@ class Attention(nn.Module):
                kv_hook: Optional[Callable] = None, deterministic: bool = True, project: bool = True):
     """Returns (out, kv, kv_hook's state). With a cache, x's keys and values are appended and
     the queries see every cached one. `kv_hook(k, v) -> (k, v, state)` instead replaces
-    them by what a policy's cache holds; without it state is None. project=False: out is the
-    heads' output before `proj` (a caller that fuses the projection's bias with what follows)."""
+    them by what a policy's cache holds; without it state is None. project=False: out is (`proj`'s
+    product without its bias, the bias), for a caller that fuses the bias with what follows
+    (`blocks.unbiased`)."""
     b, l, c = x.shape
     h = self.num_heads
     qkv = self.qkv(x).reshape(b, l, 3, h, c // h)
@@ -66,7 +67,9 @@ class Attention(nn.Module):
                              dropout_rate=self.attn_drop if dropping else 0.0,
                              dropout_rng=self.make_rng('dropout') if dropping else None)
     out = out.reshape(b, l, c)
-    return self.drop(self.proj(out), deterministic=deterministic) if project else out, kv, state
+    if not project:
+      return unbiased(self.proj, out), kv, state
+    return self.drop(self.proj(out), deterministic=deterministic), kv, state
 
 
 def _gelu_float32(x: Array) -> Array:
