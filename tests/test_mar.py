@@ -179,6 +179,25 @@ def test_init_follows_official_initialize_weights():
   np.testing.assert_array_equal(p['decoder_norm']['scale'], 1.0)
 
 
+def test_apply_traces_the_heads_initializer_once_per_config(monkeypatch):
+  # flax checks each existing parameter's shape on every apply by tracing its initializer; the
+  # head's is a whole DiffLoss init, so later applies reuse the first one's trace.
+  traced, real = [], mar.init_diffloss
+  monkeypatch.setattr(mar, 'init_diffloss', lambda c, k: traced.append(c) or real(c, k))
+  mar._diffloss_init.cache_clear()
+  try:
+    cfg = mar.tiny()
+    params = jax.eval_shape(lambda k: mar.init_params(cfg, k), jax.random.key(0))
+    counts = []
+    for batch in (1, 2, 3):
+      out = jax.eval_shape(lambda p, b=batch: MAR(cfg).apply({'params': p}, b, method=MAR.fake_class), params)
+      assert out.shape == (batch, cfg.encoder_embed_dim)
+      counts.append(len(traced))
+    assert counts == [counts[0]] * 3 and set(traced) == {cfg.diffloss_config()}
+  finally:
+    mar._diffloss_init.cache_clear()
+
+
 # ---- converter and the two dropping forms ----
 
 def test_converted_encode_decode_match_numpy_reference_in_both_dropping_forms():

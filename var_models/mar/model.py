@@ -19,6 +19,7 @@ Training: `MAR(cfg).apply(v, latents, labels, train=True, rngs={'mask': k1, 'dro
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -183,6 +184,13 @@ def random_mask(cfg: MARConfig, key: Array, batch: int) -> Array:
   return rank < num_masked
 
 
+@functools.lru_cache(maxsize=None)
+def _diffloss_init(cfg: DiffLossConfig):
+  """`init_diffloss` of `cfg` as one jitted function per config: flax's `param` traces its initializer
+  on every apply to check the parameter's shape, and a jitted one is traced once."""
+  return jax.jit(functools.partial(init_diffloss, cfg))
+
+
 class MAR(nn.Module):
   """Parameter names follow the official ones; blocks are `encoder_blocks_{i}` and
   `decoder_blocks_{i}`, and `diffloss` holds the `SimpleMLPAdaLN` tree."""
@@ -208,7 +216,7 @@ class MAR(nn.Module):
     self.diffusion_pos_embed_learned = self.param('diffusion_pos_embed_learned', std02, (1, cfg.seq_len, cd))
     # One pytree-valued param, so the head's tree is exactly `init_diffloss`'s and the
     # functional DiffLoss API (and the sampler) take it as is.
-    self.diffloss = self.param('diffloss', lambda key: init_diffloss(cfg.diffloss_config(), key))
+    self.diffloss = self.param('diffloss', _diffloss_init(cfg.diffloss_config()))
 
   def _blocks(self, width: int, depth: int, heads: int) -> list[Block]:
     cfg = self.cfg
