@@ -293,20 +293,51 @@ MAR_PRESETS = ('official', 'encoder_only', 'decoder_only', 'condition_only', 'he
 ECAR_PRESETS = ('every_2', 'every_3', 'every_5', 'last_every_3')
 
 
+# The sampling settings of the family rows: MAR 64 iterations, 100 diffusion steps, cfg 3.0 (linear);
+# E-CAR 250 Euler steps, cfg 1.5.
+FAMILY_OVERRIDES = {'mar': dict(cfg=3.0, num_iter=64, num_steps=100), 'ecar': dict(cfg=1.5, num_steps=250)}
+
+
+def family_config(family: str, size: str, dtype: str, attn: str):
+  """configs/{family}.py's `size` with compute `dtype` (float32 parameters) and attention backend `attn`."""
+  config = importlib.import_module(f'configs.{family}').get_config(size)
+  config.dtype, config.attn_backend = dtype, attn
+  return config
+
+
 def family_configs(args) -> list[tuple[str, object, tuple[str, ...]]]:
-  """(label, config, policy specs) of each --mar_sizes and --ecar_sizes model: configs/mar.py and
-  configs/ecar.py with bf16 compute (float32 parameters), cudnn attention."""
-  from configs import ecar as ecar_configs   # pylint: disable=import-outside-toplevel
-  from configs import mar as mar_configs   # pylint: disable=import-outside-toplevel
+  """(label, config, policy specs) of each --mar_sizes and --ecar_sizes model (`family_config`, bf16
+  compute by default, cudnn attention)."""
   out = []
-  for sizes, module, method, presets, label in (
-      (args.mar_sizes, mar_configs, 'lazymar', args.mar_presets, 'MAR-{}'),
-      (args.ecar_sizes, ecar_configs, 'ecarcache', args.ecar_presets, 'E-CAR-{}')):
+  for sizes, family, method, presets, label in (
+      (args.mar_sizes, 'mar', 'lazymar', args.mar_presets, 'MAR-{}'),
+      (args.ecar_sizes, 'ecar', 'ecarcache', args.ecar_presets, 'E-CAR-{}')):
     for size in filter(None, sizes.split(',')):
-      config = module.get_config(size)
-      config.dtype, config.attn_backend = args.family_dtype, args.attn
+      config = family_config(family, size, args.family_dtype, args.attn)
       out.append((label.format(size), config, tuple(f'{method}:{p}' for p in split_specs(presets))))
   return out
+
+
+def family_layouts(config, scan: str, overrides: dict):
+  """(family with random parameters, {'': make, 'scan': make} of its samplers unrolled and scanned,
+  {'': params, 'scan': params} as each reads them, only where --scan (`scan`) times such samplers):
+  what `family_job` takes. `overrides`: settings over FAMILY_OVERRIDES."""
+  from sampling import family_from_config, sampling_from_config   # pylint: disable=import-outside-toplevel
+  overrides = {**FAMILY_OVERRIDES[config.family], **overrides}
+  family = family_from_config(config, overrides=overrides)
+  makes = {'': family.make, 'scan': sampling_from_config(config, {**overrides, 'scan_blocks': True}).make}
+  params = {mode[1:]: makes[mode[1:]]().prepare(family.params) for mode in SCAN_MODES[scan]}
+  return family, makes, params
+
+
+def family_job(family, makes, params, name: str, batch: int):
+  """(sampler, lowered sampler, args maker) of one sampler (`sampler_names`) at one batch."""
+  spec, _, scan = name.split(' ')[0].partition('@')
+  sample = makes[scan](policy_from_spec(spec, family.name))
+  labels = np.arange(batch, dtype=np.int32) % family.num_classes
+  def arguments(i):
+    return sample.arguments(params[scan], jax.random.key(i), labels, **family.opts)
+  return sample, sample.lower(params[scan], jax.random.key(0), labels, **family.opts), arguments
 
 
 def family_main(args) -> None:
@@ -315,31 +346,18 @@ def family_main(args) -> None:
   E-CAR baseline (250 Euler steps, cfg 1.5, the VAE decoder included), random weights (official init),
   per model and batch the baseline and each preset: compiled in a pool, then timed alone as the VAR
   rows (medians of --iters calls after --warmup)."""
-  from sampling import family_from_config, sampling_from_config   # pylint: disable=import-outside-toplevel
   batches = [int(b) for b in args.batches.split(',')]
   makers, reads, futures, order, xla = {}, {}, [], [], xla_variants(args.xla)
   with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
     variants = args.family_overrides.split(';')
     for (label, config, specs), variant in itertools.product(family_configs(args), variants):
-      overrides = dict(cfg=3.0, num_iter=64, num_steps=100) if config.family == 'mar' else dict(cfg=1.5, num_steps=250)
-      overrides.update(settings(variant))
+      family, makes, params = family_layouts(config, args.scan, settings(variant))
       label = f'{label} {variant}' if len(variants) > 1 else label
-      family = family_from_config(config, overrides=overrides)
-      makes = {'': family.make, 'scan': sampling_from_config(config, {**overrides, 'scan_blocks': True}).make}
-      params = {mode[1:]: makes[mode[1:]]().prepare(family.params) for mode in SCAN_MODES[args.scan]}
-      names = sampler_names(specs, args.scan, len(xla))
-      for batch, name in itertools.product(batches, names):
-        spec, _, scan = name.split(' ')[0].partition('@')
-        sample = makes[scan](policy_from_spec(spec, family.name))
-        labels = np.arange(batch, dtype=np.int32) % family.num_classes
-        def arguments(i, sample=sample, labels=labels, family=family, params=params[scan]):
-          return sample.arguments(params, jax.random.key(i), labels, **family.opts)
-        makers[label, batch, name] = arguments
+      for batch, name in itertools.product(batches, sampler_names(specs, args.scan, len(xla))):
+        sample, lowered, makers[label, batch, name] = family_job(family, makes, params, name, batch)
         reads[label, batch, name] = tuple(floors.sampler_reads(sample, family.params, args.family_dtype, b)
                                           for b in (None, batch))
-        futures.append(compile_in(pool, (label, batch, name),
-                                  sample.lower(params[scan], jax.random.key(0), labels, **family.opts),
-                                  xla[int(name.partition(' xla')[2] or 0)]))
+        futures.append(compile_in(pool, (label, batch, name), lowered, xla[int(name.partition(' xla')[2] or 0)]))
         order.append((label, batch, name))
     compiled = dict(f.result() for f in futures)
   wait_for(args.wait_for)
