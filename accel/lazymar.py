@@ -41,9 +41,10 @@ body of the iteration loop; padding rows and the padded predicted positions carr
 out-of-range index L (gathered as NaN rows, dropped when scattered), so they change the work, not
 the outputs. MAR-H at 64 iterations has 7 sizes; at batch 1, where a cached pass reads its
 weights whatever its rows, one size runs as fast as four (0.99-1.01x) and halves the unrolled
-compile (27-35 s against 60-70 on an H200 after MAR-H's in one process; 38-46 s alone, cold); at batch 16 four are 1.11x faster
-(benchmarks/RESULTS.md). So `decoder_sizes='auto'` (the default) is 1 for a sampler called with
-one sample and 4 otherwise (the sampler binds the policy per batch, `Binding.batch`).
+compile (27-35 s against 60-70 on an H200 after MAR-H's in one process; 38-46 s alone, cold); at
+batch 16 four are 1.11x faster (benchmarks/RESULTS.md). So `decoder_sizes='auto'` (the default) is 1
+for a sampler called with one sample and 4 otherwise (the sampler binds the policy per batch,
+`Binding.batch`).
 """
 from __future__ import annotations
 

@@ -59,9 +59,9 @@ def main():
   t4 = time.perf_counter()
   jax.block_until_ready(compiled(*make_args(1)))
   t5 = time.perf_counter()
-  print(f'{args.family or args.model} B={args.batch} {args.sampler}: parameters {t1 - t0:.1f} s, trace and lower {t2 - t1:.1f} s, '
-        f'XLA compile {compile_s:.1f} s, first call {t4 - t3:.2f} s (to the first image from the sampler\'s '
-        f'construction: {t4 - t1:.1f} s), a later call {1e3 * (t5 - t4):.1f} ms', flush=True)
+  print(f'{args.family or args.model} B={args.batch} {args.sampler}: parameters {t1 - t0:.1f} s, '
+        f'trace and lower {t2 - t1:.1f} s, XLA compile {compile_s:.1f} s, first call {t4 - t3:.2f} s (to the first '
+        f'image from the sampler\'s construction: {t4 - t1:.1f} s), a later call {1e3 * (t5 - t4):.1f} ms', flush=True)
 
 
 if __name__ == '__main__':
