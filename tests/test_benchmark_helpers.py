@@ -190,3 +190,19 @@ def test_top_ops_counts_a_pallas_kernels_call_sites_as_one_op():
   assert ops[0] == (line, 'residual_norm', 5.0, 2)
   assert {name for _, name, _, _ in ops[1:]} == {'loop_fusion_1', 'loop_fusion_2'}
   assert busy == {line: 7.5}
+
+
+def test_family_job_lowers_the_sampler_its_arguments_call():
+  """first_image.py's and accelerators.py's family rows: the program `family_job` lowers, called with
+  its arguments, samples what the sampler itself samples (here scanned, with a policy)."""
+  import numpy as np
+  from accelerators import family_config, family_job, family_layouts
+  config = family_config('ecar', 'tiny', 'float32', 'xla')
+  family, makes, params = family_layouts(config, 'on', {'num_steps': 6})
+  assert set(params) == {'scan'}
+  sample, lowered, arguments = family_job(family, makes, params, 'ecarcache:every_2@scan', 2)
+  images, _ = lowered.compile()(*arguments(3))
+  want, _ = sample(params['scan'], jax.random.key(3), np.arange(2, dtype=np.int32) % family.num_classes,
+                   **family.opts)
+  assert images.shape == (2, config.image_size, config.image_size, 3)
+  np.testing.assert_array_equal(images, want)
