@@ -53,6 +53,7 @@ def _kernel(q_ref, k_ref, lse_ref, o_ref, *, cfg: GroupConfig):
   _store_rows(o_ref, j * bk, acc, cfg.kv_len)
 
 
+@dispatch.per_shape(3, 4, 5, 6)
 def _sums(q, k, lse, cfg: GroupConfig, interpret: bool, num_warps: int, num_stages: int):
   b, lq, h, d = q.shape
   g = pl.cdiv(lq, cfg.group)

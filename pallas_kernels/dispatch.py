@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 
@@ -63,3 +64,10 @@ def override(impl: str):
     yield
   finally:
     _override.pop()
+
+
+def per_shape(*static_argnums: int):
+  """A decorator jitting a kernel's call (`pallas_call` and what builds it) with its settings at
+  `static_argnums` static: a program's calls of one shape and settings (a model's blocks) trace and
+  lower the kernel once, not once a call (XLA inlines the calls)."""
+  return functools.partial(jax.jit, static_argnums=static_argnums)

@@ -61,6 +61,7 @@ def _split(q, k, v) -> tuple:
   return tuple(a if s is None else a[:, :, s] for a, s in _operands(q, k, v))
 
 
+@dispatch.per_shape(3, 4, 5)
 def _forward(q, k, v, lk: int, scale: float, interpret: bool):
   """Keys [0, lk) of k, v; the rows after them (a KV cache's spare rows) are never read."""
   (b, lq), (h, d) = q.shape[:2], q.shape[-2:]

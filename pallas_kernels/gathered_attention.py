@@ -67,6 +67,7 @@ def _kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: GroupConfig):
   _store_softmax(o_ref, lse_ref, i * bq, carry, lq)
 
 
+@dispatch.per_shape(4, 5, 6, 7)
 def _forward(q, k, v, idx, cfg: GroupConfig, interpret: bool, num_warps: int, num_stages: int):
   b, lq, h, _ = q.shape
   g, n = idx.shape[2:]

@@ -54,6 +54,7 @@ def _kernel(x_ref, o_ref, *, n: int, k: int, width: int):
   plgpu.store(o_ref.at[jnp.where(take, slot, k)], cols, mask=take)
 
 
+@dispatch.per_shape(1, 2, 3)
 def _select(x, k: int, interpret: bool, num_warps: int):
   rows, n = x.shape
   width = pl.next_power_of_2(n)

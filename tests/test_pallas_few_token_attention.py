@@ -2,6 +2,8 @@
 inputs (lengths and head dims padded to powers of two, E-CAR's denoiser shapes), its gradients,
 its Triton lowering at E-CAR-L's shapes on the CPU, and the `pallas` and `cudnn` attention backends' use
 of it."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +73,21 @@ def test_lowers_to_triton_at_e_car_l_shapes(tokens):
   assert 'few_token_attention' in text
   # [B, L, H, D] read and written in place: no copy around the kernel.
   assert 'stablehlo.transpose' not in text and 'stablehlo.pad' not in text and 'stablehlo.slice' not in text
+
+
+def test_a_programs_calls_of_one_shape_lower_the_kernel_once():
+  """A model's blocks call the kernel at one shape: one kernel in the program however many calls
+  (`dispatch.per_shape`), another for another shape."""
+  x = jax.ShapeDtypeStruct((2, 16, 4, 32), jnp.bfloat16)
+
+  def blocks(q, k, v, kv_lens):
+    for kv_len in kv_lens:
+      q = few_token_attention(q, k, v, kv_len=kv_len, impl='triton')
+    return q
+  kernels = lambda *kv_lens: jax.jit(functools.partial(blocks, kv_lens=kv_lens)).trace(x, x, x).lower(
+      lowering_platforms=('cuda',)).as_text().count('__gpu$xla.gpu.triton')
+  assert kernels(None, None, None, None) == 1
+  assert kernels(None, 8, None, 8) == 2
 
 
 def test_unsupported_inputs_name_the_misfit():
