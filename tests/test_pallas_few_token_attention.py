@@ -1,7 +1,7 @@
 """pallas_kernels.few_token_attention: the kernel in interpret mode against the reference on random
 inputs (lengths and head dims padded to powers of two, E-CAR's denoiser shapes), its gradients,
-its Triton lowering at E-CAR-L's shapes on the CPU, and the `pallas` and `cudnn` attention backends' use
-of it."""
+its Triton lowering at E-CAR-L's shapes on the CPU (one kernel for a program's calls of one shape),
+and the `pallas` and `cudnn` attention backends' use of it."""
 import functools
 
 import jax
