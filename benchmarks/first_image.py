@@ -42,16 +42,15 @@ def main():
   scan = 'on' if args.sampler.partition('@')[2] else 'off'
   if args.family:
     family, makes, params = family_layouts(family_config(*args.family.split(':'), 'bfloat16', args.attn), scan, {})
-    jax.block_until_ready(params)
-    t1 = time.perf_counter()
-    _, lowered, make_args = family_job(family, makes, params, args.sampler, args.batch)
+    job = lambda: family_job(family, makes, params, args.sampler, args.batch)[1:]
   else:
     spec = args.sampler.partition('@')[0]
     var_cfg, vq_cfg, params, _ = build(args.model, args.attn, '' if spec == 'baseline' else spec)
     params = layouts(var_cfg, vq_cfg, params, scan)
-    jax.block_until_ready(params)
-    t1 = time.perf_counter()
-    lowered, make_args = sampler_job(var_cfg, vq_cfg, params, args.sampler, args.batch)
+    job = lambda: sampler_job(var_cfg, vq_cfg, params, args.sampler, args.batch)
+  jax.block_until_ready(params)
+  t1 = time.perf_counter()
+  lowered, make_args = job()   # (lowered sampler, args maker)
   t2 = time.perf_counter()
   compiled, compile_s = compiled_in(lowered)
   t3 = time.perf_counter()
