@@ -190,7 +190,9 @@ def test_cache_free_stepped_loop_equals_the_guided_sampler():
   x_t = jax.random.normal(k_init, (3, net.in_channels))
   noise = lambda i: jax.random.normal(jax.random.fold_in(k_loop, i), (6, net.in_channels))[:3]
   got = diffloss_sample_cached(net, head, z, x_t, noise, 1.0, 2.5, HeadCache(), diffusion)
-  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  # Tokens of ~1e5 (a random head, ten steps): float32 rounding, which differs with the CPU's
+  # vector width, reaches a few parts in 1e6.
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('cached', [False, True])
