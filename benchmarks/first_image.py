@@ -4,6 +4,7 @@ tracing and lowering, XLA's compile, the first call and a later one.
   python3 benchmarks/first_image.py --model infinity_2b --sampler baseline@scan --compilation_cache=
   python3 benchmarks/first_image.py --model infinity_2b --sampler fastvar:infinity_2b --compilation_cache=   # unrolled
   python3 benchmarks/first_image.py --family mar:huge --sampler lazymar:official --compilation_cache=
+  python3 benchmarks/first_image.py --family mar:huge --sampler lazymar:official --overrides host_loop=true
   python benchmarks/first_image.py --model smoke --sampler fastvar:var256@scan --attn xla     # on a CPU
 
 --model names a VAR of `accelerators.MODELS`; --family 'mar:SIZE' or 'ecar:SIZE' a config of
@@ -27,6 +28,7 @@ import jax
 from accel.timing import compiled_in
 from accelerators import MODELS, build, family_config, family_job, family_layouts, layouts, sampler_job
 from sampling import compilation_cache
+from timing import settings
 
 
 def main():
@@ -36,12 +38,15 @@ def main():
   ap.add_argument('--batch', type=int, default=1)
   ap.add_argument('--family', default='', help="'mar:SIZE' or 'ecar:SIZE': that config's sampler instead of --model")
   ap.add_argument('--attn', default='cudnn')
+  ap.add_argument('--overrides', default='', help="--family's sampling settings "
+                  "('key=value,...', e.g. 'host_loop=true')")
   args = compilation_cache.parse_args(ap)
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   t0 = time.perf_counter()
   scan = 'on' if args.sampler.partition('@')[2] else 'off'
   if args.family:
-    family, makes, params = family_layouts(family_config(*args.family.split(':'), 'bfloat16', args.attn), scan, {})
+    config = family_config(*args.family.split(':'), 'bfloat16', args.attn)
+    family, makes, params = family_layouts(config, scan, settings(args.overrides))
     job = lambda: family_job(family, makes, params, args.sampler, args.batch)[1:]
   else:
     spec = args.sampler.partition('@')[0]

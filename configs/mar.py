@@ -40,10 +40,12 @@ def _released(variant: str) -> ml_collections.ConfigDict:
   # The paper's evaluation settings (256 iterations for FID; 64 is the fast setting); scan_blocks:
   # the encoder's and decoder's runs of alike blocks as one lax.scan each (compiles once per run);
   # encoder_sizes: the encoder runs on the known positions, padded into at most this many lengths
-  # (each compiled once; 0: on every position, one length, see var_models/mar/sampler.py).
+  # (each compiled once; 0: on every position, one length, see var_models/mar/sampler.py); host_loop:
+  # the iterations driven from the host, each distinct iteration part a program of its own, compiled
+  # side by side (var_models/mar/host_loop.py).
   c.sample = ml_collections.ConfigDict(dict(
       num_iter=64, cfg=cfg, cfg_schedule='linear', temperature=1.0, num_diffusion_steps=100,
-      seed=0, batch_size=16, scan_blocks=False, encoder_sizes=4))
+      seed=0, batch_size=16, scan_blocks=False, encoder_sizes=4, host_loop=False))
   c.train = common.train_config(
       steps=common.steps_for_epochs(400, 2048), batch_size=2048, lr=1e-4 * 2048 / 256, b1=0.9, b2=0.95,
       weight_decay=0.02, warmup_steps=common.steps_for_epochs(100, 2048), schedule='constant',

@@ -28,7 +28,11 @@ EULER = flags.DEFINE_integer('num_steps', None, 'E-CAR: Euler steps in all, spli
 ENCODER_SIZES = flags.DEFINE_integer('encoder_sizes', None, "MAR: the encoder's lengths compiled, the known "
                                      'positions padded into at most this many (0: every position, one length)')
 
-_FAMILY_FLAGS = {'var': (TOP_K, TOP_P, SCAN), 'mar': (NUM_ITER, TEMP, SCHEDULE, STEPS, SCAN, ENCODER_SIZES),
+HOST_LOOP = flags.DEFINE_bool('host_loop', None, "MAR: the iterations driven from the host, each distinct "
+                              'iteration part compiled as a program of its own, side by side')
+
+_FAMILY_FLAGS = {'var': (TOP_K, TOP_P, SCAN),
+                 'mar': (NUM_ITER, TEMP, SCHEDULE, STEPS, SCAN, ENCODER_SIZES, HOST_LOOP),
                  'ecar': (EULER, SCAN)}
 FAMILY_NAMES = {'var': 'VAR', 'mar': 'MAR', 'ecar': 'E-CAR'}
 
@@ -68,7 +72,7 @@ def overrides(family: str, cfg) -> dict:
   steps = STEPS if family == 'mar' else EULER
   return dict(cfg=cfg, top_k=TOP_K.value, top_p=TOP_P.value, scan_blocks=SCAN.value, num_iter=NUM_ITER.value,
               temperature=TEMP.value, cfg_schedule=SCHEDULE.value, num_steps=steps.value,
-              encoder_sizes=ENCODER_SIZES.value)
+              encoder_sizes=ENCODER_SIZES.value, host_loop=HOST_LOOP.value)
 
 
 def batch_size(default: int) -> int:

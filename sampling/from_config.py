@@ -31,10 +31,11 @@ from var_models.var.sampler import make_sampler as make_var_sampler
 Array = jax.Array
 
 # The settings a command line may override per family: cfg (the guidance scale), top_k, top_p,
-# scan_blocks (every family), num_iter, temperature, cfg_schedule, encoder_sizes (MAR), num_steps (MAR:
+# scan_blocks (every family), num_iter, temperature, cfg_schedule, encoder_sizes, host_loop (MAR), num_steps (MAR:
 # diffusion steps; E-CAR: Euler steps in all).
 OVERRIDES = {'var': ('cfg', 'top_k', 'top_p', 'scan_blocks'),
-             'mar': ('cfg', 'num_iter', 'temperature', 'cfg_schedule', 'num_steps', 'scan_blocks', 'encoder_sizes'),
+             'mar': ('cfg', 'num_iter', 'temperature', 'cfg_schedule', 'num_steps', 'scan_blocks', 'encoder_sizes',
+                     'host_loop'),
              'ecar': ('cfg', 'num_steps', 'scan_blocks')}
 _NO_LABEL = np.zeros(1, np.int32)
 
@@ -109,7 +110,8 @@ def _mar(config, o: dict) -> Sampling:
   settings = dict(num_iter=_pick(o, 'num_iter', s.num_iter),
                   num_diffusion_steps=_pick(o, 'num_steps', s.num_diffusion_steps),
                   scan_blocks=_pick(o, 'scan_blocks', s.scan_blocks),
-                  encoder_sizes=_pick(o, 'encoder_sizes', s.encoder_sizes) or None)   # 0: every position
+                  encoder_sizes=_pick(o, 'encoder_sizes', s.encoder_sizes) or None,   # 0: every position
+                  host_loop=_pick(o, 'host_loop', s.host_loop))
   guided = opts['cfg'] != 1.0
   check_mar_sample_args(mar_cfg, _NO_LABEL, guided=guided, **opts)
   make = lambda policy=None: make_mar_sampler(mar_cfg, vae_cfg, guided=guided, policy=policy, **settings)

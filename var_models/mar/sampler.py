@@ -1,4 +1,4 @@
-"""MAR's class-conditional sampler (the official `sample_tokens`), compiled whole.
+"""MAR's class-conditional sampler (the official `sample_tokens`), compiled whole or as its parts.
 
     sample = make_mar_sampler(mar_cfg, vae_cfg, num_iter=64, guided=True)
     images, aux = sample(params, key, labels, cfg=3.0, cfg_schedule='linear', temperature=1.0)
@@ -42,10 +42,12 @@ chooses per iteration which tokens each encoder and decoder block forwards, what
 they attend to and restore from its caches, and whether the unconditional half
 runs (its `guide` then makes it). The iterations run as one scan; with several
 distinct static plans, its body switches to the iteration's model part (each plan
-compiled once, however often the schedule alternates between them), then to its
-head cache's sampling loop (each distinct cache compiled once). The weights are
-cast to the compute dtype, stacked for the scanned blocks and merged for the
-head's adaLN once per call, outside the loop.
+compiled once, however often the schedule alternates between them; inside it, to
+the encoder's length), then to its head cache's sampling loop (each distinct cache
+compiled once). The weights are cast to the compute dtype, stacked for the scanned
+blocks and merged for the head's adaLN once per call, outside the loop. With
+host_loop=True the same parts are programs of their own, a model part per plan and
+encoder length, called in turn from the host (`var_models.mar.host_loop`).
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ import numpy as np
 from var_models.mar.diffloss import (conditional_draws, diffloss_model_fn, diffloss_sample, diffloss_sample_cached,
                                      head_adaln)
 from var_models.mar.gaussian_diffusion import create_diffusion
+from var_models.mar.host_loop import HostLoop
 from var_models.mar.model import MAR, MARConfig, diffloss_net, keep_indices, key_mask
 from var_models.mar.policy import BASELINE, IterInfo, IterPlan, MARPolicy, Site, check_plans
 from var_models.mar.schedule import MARSchedule, mask_schedule, merge_sizes
@@ -109,36 +112,49 @@ def _ranks(order: Array) -> Array:
   return jnp.zeros_like(order).at[jnp.arange(b)[:, None], order].set(jnp.arange(n, dtype=order.dtype))
 
 
-def _switch(xs, name: str, choices: list, make):
-  """make(choice)() for the iteration's choice: xs[name] indexes `choices` (absent: one choice)."""
-  if name not in xs:
-    return make(choices[0])()
-  return jax.lax.switch(xs[name], [make(c) for c in choices])
+def _switch(ids: tuple[int, ...], i, branches: list):
+  """branches[ids[i]]() for the iteration i (traced): one branch is called as it is."""
+  if len(branches) == 1:
+    return branches[0]()
+  return jax.lax.switch(jnp.asarray(ids, jnp.int32)[i], branches)
 
 
 class _MARSampler:
   def __init__(self, mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, num_iter: int, guided: bool,
                num_diffusion_steps: Optional[int], policy: MARPolicy, record: bool, scan_blocks: bool,
-               encoder_sizes: Optional[int]):
+               encoder_sizes: Optional[int], host_loop: bool):
     self.mar_cfg, self.guided, self.record, self.scan_blocks = mar_cfg, guided, record, scan_blocks
     self.model, self.vae = MAR(mar_cfg), AutoencoderKL(vae_cfg)
     self.head = diffloss_net(mar_cfg)
     self.diffusion = create_diffusion(num_diffusion_steps or mar_cfg.num_sampling_steps)
     self.schedule = MARSchedule(mask_schedule(mar_cfg.seq_len, num_iter), self.diffusion.num_timesteps)
     self.num_iter, self.encoder_sizes, self.unbound, self._programs = num_iter, encoder_sizes, policy, {}
+    self.host_loop, self._compiled = host_loop, {}
     self._bind(None)
     self.vae_scale = vae_cfg.scaling_factor
     self._jitted = jax.jit(self._sample, static_argnames=('cfg_schedule',))
 
   def _bind(self, batch: Optional[int]) -> None:
     """Binds the policy (to `batch` samples a call, or None: not known) and sets what follows from
-    it: `policy`, its `plans`, `head_caches` and the encoder's lengths."""
+    it: `policy`, its `plans`, `head_caches`, the encoder's lengths, and the iterations' distinct
+    parts, with each iteration's index into them (`trunk_ids`, `head_ids`): `heads` (head caches)
+    and `trunks` (model parts: (plan, the encoder lengths it switches between, `length_ids`);
+    with `host_loop` one length each: a trunk per plan and length)."""
     binding = Binding(self.mar_cfg, self.schedule, self.guided, scanned=self.scan_blocks, batch=batch)
     self.policy = policy = self.unbound.bind(binding)
     self.plans = policy.plan(self.num_iter)
     check_plans(self.plans, self.num_iter)
     self.head_caches = tuple(policy.head_cache(p) for p in self.plans)
     self.encoder_lengths = self._encoder_lengths(self.encoder_sizes)
+    keys = [(p, n) if self.host_loop else p for p, n in zip(self.plans, self.encoder_lengths)]
+    distinct = list(dict.fromkeys(keys))
+    lengths = [sorted({n for k, n in zip(keys, self.encoder_lengths) if k == d}, key=lambda n: n or 0)
+               for d in distinct]
+    self.trunks = [(d[0] if self.host_loop else d, tuple(ls)) for d, ls in zip(distinct, lengths)]
+    self.trunk_ids = tuple(distinct.index(k) for k in keys)
+    self.length_ids = tuple(self.trunks[t][1].index(n) for t, n in zip(self.trunk_ids, self.encoder_lengths))
+    self.heads = list(dict.fromkeys(self.head_caches))
+    self.head_ids = tuple(self.heads.index(h) for h in self.head_caches)
 
   def program(self, batch: int) -> '_MARSampler':
     """This sampler with its policy bound to `batch` samples a call: what a call of that batch
@@ -153,22 +169,30 @@ class _MARSampler:
                temperature: float = 1.0, orders=None, noises=None, forced_tokens=None):
     args, static = self._checked(params, key, labels, cfg, cfg_schedule, temperature, orders, noises,
                                  forced_tokens)
-    return self._jitted(*args, **static)
+    if not self.host_loop:
+      return self._jitted(*args, **static)
+    signature = (jax.tree.structure(args), tuple((np.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(args)),
+                 cfg_schedule)
+    if signature not in self._compiled:
+      self._compiled[signature] = self._lower_parts(args, static).compile()
+    return self._compiled[signature](*args)
 
   def prepare(self, params) -> dict:
     """`params` as this sampler reads them, made once where they are loaded: scanned, the encoder's
     and the decoder's blocks stacked (`scan.stack_blocks`), which it would otherwise do on every
-    call; unrolled, as they are. Either layout samples the same images."""
+    call (with `host_loop`, in every iteration); unrolled, as they are. Either layout samples the
+    same images."""
     if not self.scan_blocks:
       return params
     return {**params, 'mar': stack_blocks(params['mar'], ('encoder_blocks', 'decoder_blocks'))}
 
   def lower(self, params, key, labels, *, cfg: float = 1.0, cfg_schedule: str = 'linear',
             temperature: float = 1.0, orders=None, noises=None, forced_tokens=None):
-    """The lowered program (for compile-time and FLOP accounting)."""
+    """The lowered program (for compile-time and FLOP accounting): the whole sampler, or with
+    `host_loop` its parts (`HostLoop`), whose `compile()` returns what runs the call."""
     args, static = self._checked(params, key, labels, cfg, cfg_schedule, temperature, orders, noises,
                                  forced_tokens)
-    return self._jitted.lower(*args, **static)
+    return self._lower_parts(args, static) if self.host_loop else self._jitted.lower(*args, **static)
 
   def arguments(self, params, key, labels, *, cfg: float = 1.0, cfg_schedule: str = 'linear',
                 temperature: float = 1.0, orders=None, noises=None, forced_tokens=None) -> tuple:
@@ -207,12 +231,12 @@ class _MARSampler:
     padded = merge_sizes(collections.Counter(k for k, g in zip(kept, gathered) if g), most)
     return tuple(padded[k] if g else None for k, g in zip(kept, gathered))
 
-  def _encode(self, params, stacked, plan: IterPlan, tokens, mask, class_emb, length: Optional[int], state):
+  def _encode(self, mar, stacked, plan: IterPlan, tokens, mask, class_emb, length: Optional[int], state):
     """The encoder's output as the decoder's input [rows, buffer + N, Cd] (rows = tokens' and
     mask's [rows, N, D] / [rows, N]) and the policy's state, through the plan's encoder hooks:
     on `length` gathered positions (the buffer and the known ones first, in order; the rest
     padding, hidden as keys and dropped), or on every position with length None."""
-    mp, mc = {'params': params['mar']}, self.mar_cfg
+    mp, mc = {'params': mar}, self.mar_cfg
     x = self.model.apply(mp, tokens, class_emb, method=MAR.encoder_input)
     hooks = self.policy.block_hooks(Site(plan, 'encoder'), mc.encoder_depth)
     run = functools.partial(self.model.apply, mp, hooks=hooks, state=state, scan=self.scan_blocks,
@@ -226,87 +250,88 @@ class _MARSampler:
     positions = jnp.where(valid, keep, mc.buffer_size + mc.seq_len)   # out of range: the scatter drops them
     return self.model.apply(mp, x, None, positions, method=MAR.decoder_input), state
 
-  def _prepared(self, params, heads: list):
-    """(params with the blocks' and the head's Dense weights in the compute dtype, the scanned
-    blocks' stacks ({} unrolled), {head cache: its `head_adaln`} of the distinct `heads`): made
-    once per call, outside the iteration loop (XLA moves none of it out of the loop)."""
-    mar = block_views({k: dense_params_in(v, self.mar_cfg.dtype) if k.startswith(_CAST) else v
-                       for k, v in params['mar'].items()})
-    stacked = self.model.apply({'params': mar}, method=MAR.stacked_blocks) if self.scan_blocks else {}
-    adaln = {c: head_adaln(self.head, mar['diffloss'], c, self.diffusion.num_timesteps) for c in heads}
-    return {**params, 'mar': mar}, stacked, adaln
-
   def _sample(self, params, key, labels, cfg, temperature, draws=None, *, cfg_schedule):
     return self.program(labels.shape[0])._run(params, key, labels, cfg, temperature, draws, cfg_schedule)
 
   def _run(self, params, key, labels, cfg, temperature, draws, cfg_schedule):
+    """The whole call: the iterations as one scan whose body switches to the iteration's trunk,
+    then to its head cache's loop."""
+    cast, ctx, carry = self._begin(params, key, labels, cfg, temperature, draws, cfg_schedule=cfg_schedule)
+    weights, head = self._weights(params, cast)
+    mar, stacked = self._views(weights)
+
+    def body(carry, _):
+      z, idx, carry, record = _switch(self.trunk_ids, carry['i'], [
+          functools.partial(self._trunk, mar, stacked, t, ctx, carry) for t in self.trunks])
+      carry, new = _switch(self.head_ids, carry['i'], [
+          functools.partial(self._head, h, head, ctx, carry, z, idx) for h in range(len(self.heads))])
+      return carry, self._record(idx, new, record)
+
+    carry, records = jax.lax.scan(body, carry, length=self.num_iter)
+    images, aux = self._finish(params, carry['tokens'])
+    if self.record:
+      aux['iterations'] = records
+    return images, aux
+
+  def _begin(self, params, key, labels, cfg, temperature, draws=None, *, cfg_schedule):
+    """What every iteration reads and what they update, made once per call outside the iterations
+    (XLA moves none of it out of the loop) -> (cast, ctx, carry).
+    cast: the blocks' and the head's Dense weights in the compute dtype (`_weights` puts them in);
+    ctx: 'adaln' each head cache's `head_adaln`, 'order' [B, N] and its 'rank' [B, N], 'class_emb' [B or 2B, Cd], the
+    iterations' key and temperature, 'table' the per-iteration counts, guidance scales and draws
+    ([num_iter, ...]). carry: 'i' the iteration, 'tokens' [B, N, D], 'state' the policy's."""
     draws = draws or dict(orders=None, noises=None, forced=None)
     mc = self.mar_cfg
-    # The distinct plans' model parts, their encoder at each distinct length, and the distinct head
-    # caches, each traced and compiled once.
-    trunks, heads = list(dict.fromkeys(self.plans)), list(dict.fromkeys(self.head_caches))
-    lengths = sorted({n for n in self.encoder_lengths if n is not None})
-    params, stacked, adaln = self._prepared(params, heads)
-    mp = {'params': params['mar']}
+    cast = {k: dense_params_in(v, mc.dtype) for k, v in params['mar'].items() if k.startswith(_CAST)}
+    mp = {'params': block_views({**params['mar'], **cast})}
     b, n, d = labels.shape[0], mc.seq_len, mc.token_embed_dim
     key, k_order = jax.random.split(key)
     order = draws['orders']
     if order is None:
       order = jax.vmap(lambda k: jax.random.permutation(k, n))(jax.random.split(k_order, b)).astype(jnp.int32)
-    rank = _ranks(order)
     class_emb = self.model.apply(mp, labels, method=MAR.class_embedding)
     if self.guided:
       class_emb = jnp.concatenate([class_emb, self.model.apply(mp, b, method=MAR.fake_class)])
     s = self.schedule.mask
-    per_step = dict(i=jnp.arange(len(s.masked)), masked=jnp.asarray(s.masked), mask_len=jnp.asarray(s.mask_len),
-                    n_pred=jnp.asarray(s.n_pred), noises=draws['noises'], forced=draws['forced'])
+    mask_len = jnp.asarray(s.mask_len)
+    guidance = (jnp.full(mask_len.shape, cfg) if cfg_schedule == 'constant' else 1 + (cfg - 1) * (n - mask_len) / n)
+    table = dict(masked=jnp.asarray(s.masked), n_pred=jnp.asarray(s.n_pred), guidance=guidance,
+                 noises=draws['noises'], forced=draws['forced'])
+    adaln = [head_adaln(self.head, cast['diffloss'], c, self.diffusion.num_timesteps) for c in self.heads]
+    ctx = dict(adaln=adaln, key=key, order=order, rank=_ranks(order), class_emb=class_emb,
+               temperature=temperature, table=table)
+    carry = dict(i=jnp.int32(0), tokens=jnp.zeros((b, n, d), jnp.float32), state=self.policy.init_state(b))
+    return cast, ctx, carry
 
-    def body(carry, xs):
-      tokens, state = carry
-      guidance = cfg if cfg_schedule == 'constant' else 1 + (cfg - 1) * (n - xs['mask_len']) / n
-      idx = self._pred_positions(order, xs['masked'], xs['n_pred'])
-      z, state, record = _switch(xs, 'plan', trunks, lambda plan: functools.partial(
-          self._decode, params, stacked, plan, lengths, tokens, state, idx, rank, class_emb, xs))
-      new = _switch(xs, 'head', heads, lambda cache: functools.partial(
-          self._head_sample, params, cache, adaln[cache], jax.random.fold_in(key, xs['i']), xs['noises'], z,
-          guidance, temperature)).reshape(idx.shape + (d,))
-      used = new if xs['forced'] is None else jnp.take_along_axis(
-          xs['forced'], jnp.minimum(idx, n - 1)[..., None], axis=1)
-      # Padding rows carry the out-of-range position N and are dropped.
-      tokens = tokens.at[jnp.arange(b)[:, None], idx].set(used, mode='drop')
-      return (tokens, state), (dict(pred=idx, sampled=new, **record) if self.record else None)
+  @staticmethod
+  def _weights(params, cast) -> tuple[dict, dict]:
+    """(MAR's weights with the `cast` ones in place of their float32 originals, the head's): what
+    the trunks and the heads read."""
+    return {**params['mar'], **cast}, cast['diffloss']
 
-    # xs['encoder']: the iteration's encoder length among `lengths` (any one where the plan runs every position).
-    at_length = [lengths[0] if e is None else e for e in self.encoder_lengths] if lengths else []
-    for name, distinct, per_iter in (('plan', trunks, self.plans), ('head', heads, self.head_caches),
-                                     ('encoder', lengths, at_length)):
-      if len(distinct) > 1:
-        per_step[name] = jnp.asarray([distinct.index(p) for p in per_iter], jnp.int32)
-    carry = (jnp.zeros((b, n, d), jnp.float32), self.policy.init_state(b))
-    (tokens, _), records = jax.lax.scan(body, carry, per_step)
-    latents = self.model.apply(mp, tokens, method=MAR.unpatchify) / self.vae_scale
-    images = self.vae.apply({'params': params['vae']}, latents, method=AutoencoderKL.decode)
-    aux = {'tokens': tokens}
-    if self.record:
-      aux['iterations'] = records
-    return jnp.clip((images + 1) * 0.5, 0, 1), aux
+  def _views(self, weights):
+    """(MAR's `weights` as its modules bind them, stacks seen as their blocks; the scanned blocks'
+    stacks `MAR.stacked_blocks`, {} unrolled)."""
+    mar = block_views(weights)
+    return mar, self.model.apply({'params': mar}, method=MAR.stacked_blocks) if self.scan_blocks else {}
 
-  def _decode(self, params, stacked, plan: IterPlan, lengths: list, tokens, state, idx, rank, class_emb, xs):
-    """An iteration's model part: encode the known tokens, decode all, the head's conditions at the
-    positions idx [B, P] predicted now. lengths: the encoder's distinct lengths (`_encode`), the
-    iteration's xs['encoder'] among them where the plan gathers the known positions; tokens [B, N,
-    D]; xs: the iteration's counts (see `_sample`); stacked: `MAR.stacked_blocks` ({} unless the
-    blocks run as a scan).
-    -> (z [R, Cd] (R = 2BP with guidance: [cond; uncond]), the policy's state, its record)."""
-    mp, policy, mc = {'params': params['mar']}, self.policy, self.mar_cfg
-    b, n = tokens.shape[:2]
-    mask = rank < xs['masked']
-    state = policy.begin(plan, IterInfo(xs['i'], mask, idx), state)
+  def _trunk(self, mar, stacked, trunk, ctx, carry):
+    """Iteration carry['i']'s model part, `trunk` = (plan, encoder lengths; the iteration's among them
+    by `length_ids`): encode the known tokens, decode all, the head's conditions at the positions
+    idx [B, P] predicted now.
+    -> (z [R, Cd] (R = 2BP with guidance: [cond; uncond]), idx, carry with the policy's new state,
+    its record)."""
+    plan, lengths = trunk
+    mp, policy, mc, i, table = {'params': mar}, self.policy, self.mar_cfg, carry['i'], ctx['table']
+    tokens, n = carry['tokens'], carry['tokens'].shape[1]
+    b = tokens.shape[0]
+    idx = self._pred_positions(ctx['order'], table['masked'][i], table['n_pred'][i])
+    mask = ctx['rank'] < table['masked'][i]
+    state = policy.begin(plan, IterInfo(i, mask, idx), carry['state'])
     rows = 2 * b if self.guided and plan.uncond else b
     t2, m2 = jnp.tile(tokens, (rows // b, 1, 1)), jnp.tile(mask, (rows // b, 1))
-    encode = lambda length: functools.partial(self._encode, params, stacked, plan, t2, m2, class_emb[:rows], length,
-                                              state)
-    x, state = encode(None)() if plan.every_position or not lengths else _switch(xs, 'encoder', lengths, encode)
+    x, state = _switch(self.length_ids, i, [functools.partial(
+        self._encode, mar, stacked, plan, t2, m2, ctx['class_emb'][:rows], length, state) for length in lengths])
     x, state = policy.decoder_input(plan, x, state)
     x, state = self.model.apply(mp, x, policy.block_hooks(Site(plan, 'decoder'), mc.decoder_depth), state,
                                 scan=self.scan_blocks, stacked=stacked.get('decoder'), method=MAR.run_decoder)
@@ -316,7 +341,53 @@ class _MARSampler:
     gather = jnp.minimum(idx, n - 1)
     z = jnp.take_along_axis(z, (jnp.concatenate([gather, gather]) if self.guided else gather)[..., None], axis=1)
     state = policy.end(plan, state)
-    return z.reshape(-1, z.shape[-1]), state, policy.record(plan, state) if self.record else {}
+    record = policy.record(plan, state) if self.record else {}
+    return z.reshape(-1, z.shape[-1]), idx, {**carry, 'state': state}, record
+
+  def _head(self, h: int, head, ctx, carry, z, idx):
+    """Iteration carry['i']'s tokens at the positions idx [B, P], sampled by the head (its weights
+    `head`) through its cache self.heads[h] from the conditions z -> (carry with them in 'tokens'
+    and the next 'i', the sampled tokens [B, P, D])."""
+    i, table, n, d = carry['i'], ctx['table'], self.mar_cfg.seq_len, self.mar_cfg.token_embed_dim
+    noises = jax.tree.map(lambda a: a[i], table['noises'])
+    new = self._head_sample(head, self.heads[h], ctx['adaln'][h], jax.random.fold_in(ctx['key'], i),
+                            noises, z, table['guidance'][i], ctx['temperature']).reshape(idx.shape + (d,))
+    used = new if table['forced'] is None else jnp.take_along_axis(
+        table['forced'][i], jnp.minimum(idx, n - 1)[..., None], axis=1)
+    # Padding rows carry the out-of-range position N and are dropped.
+    tokens = carry['tokens'].at[jnp.arange(idx.shape[0])[:, None], idx].set(used, mode='drop')
+    return {**carry, 'i': i + 1, 'tokens': tokens}, new
+
+  def _record(self, idx, new, record: dict) -> Optional[dict]:
+    """An iteration's record (with `record`: its predicted positions [B, P], sampled tokens [B, P, D]
+    and the policy's decisions), or None."""
+    return dict(pred=idx, sampled=new, **record) if self.record else None
+
+  def _finish(self, params, tokens):
+    """The sampled tokens [B, N, D] decoded -> (images [B, H, W, 3] in [0, 1], {'tokens': tokens})."""
+    latents = self.model.apply({'params': params['mar']}, tokens, method=MAR.unpatchify) / self.vae_scale
+    images = self.vae.apply({'params': params['vae']}, latents, method=AutoencoderKL.decode)
+    return jnp.clip((images + 1) * 0.5, 0, 1), {'tokens': tokens}
+
+  def _lower_parts(self, args: tuple, static: dict) -> 'HostLoop':
+    """The call's parts lowered apart (`HostLoop`): its start, each distinct trunk and head cache,
+    the decoder; args and static as `_checked` gives them."""
+    prog = self.program(args[2].shape[0])
+    begin = jax.jit(functools.partial(prog._begin, **static))
+    cast, ctx, carry = jax.eval_shape(begin, *args)
+    weights, head = prog._weights(args[0], cast)
+
+    def trunk(t, weights, ctx, carry):
+      z, idx, carry, record = prog._trunk(*prog._views(weights), t, ctx, carry)
+      return z, idx, carry, prog._record(idx, None, record)
+
+    trunks = [jax.jit(functools.partial(trunk, t), donate_argnums=2) for t in prog.trunks]
+    z, idx, _, _ = jax.eval_shape(trunks[0], weights, ctx, carry)
+    heads = [jax.jit(functools.partial(prog._head, h), donate_argnums=2) for h in range(len(prog.heads))]
+    return HostLoop(begin.lower(*args), [f.lower(weights, ctx, carry) for f in trunks],
+                    [f.lower(head, ctx, carry, z, idx) for f in heads],
+                    jax.jit(prog._finish).lower(args[0], carry['tokens']), prog._weights, prog.trunk_ids,
+                    prog.head_ids)
 
   def _guide(self, plan: IterPlan, x: Array, state):
     """Both CFG halves [2B, buffer + N, Cd] of the decoder blocks' output x ([2B, ...] when the plan
@@ -337,11 +408,12 @@ class _MARSampler:
         jnp.concatenate([order, jnp.zeros_like(order[:, :p])], axis=1), masked - n_pred, p, axis=1)
     return jnp.sort(jnp.where(jnp.arange(p) < n_pred, window, n), axis=1)
 
-  def _head_sample(self, params, cache, adaln, key, noises, z, guidance, temperature):
+  def _head_sample(self, head, cache, adaln, key, noises, z, guidance, temperature):
     """Diffusion-head sampling of rows z [R, Cd] ([cond; uncond] halves with guidance) through the
-    policy's `cache` (or None) -> the conditional rows' tokens [R or R/2, D]; adaln: its
-    `head_adaln`; noises: the iteration's draws (see `check_noises`) or None (drawn from key)."""
-    net, head = self.head, params['mar']['diffloss']
+    policy's `cache` (or None) -> the conditional rows' tokens [R or R/2, D]; head: its weights;
+    adaln: its `head_adaln`; noises: the iteration's draws (see `check_noises`) or None (drawn
+    from key)."""
+    net = self.head
     if cache is None and noises is None:
       out = diffloss_sample(net, head, z, key, temperature, guidance, guided=self.guided, diffusion=self.diffusion,
                             adaln=adaln[None])
@@ -364,7 +436,7 @@ class _MARSampler:
 def make_mar_sampler(mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, *, num_iter: int = 64,
                      guided: bool = True, num_diffusion_steps: Optional[int] = None,
                      policy: Optional[MARPolicy] = None, record: bool = False, scan_blocks: bool = False,
-                     encoder_sizes: Optional[int] = 4):
+                     encoder_sizes: Optional[int] = 4, host_loop: bool = False):
   """A pure, jit-compiled MAR sampler `sample(params, key, labels, *, cfg, cfg_schedule,
   temperature, orders, noises, forced_tokens) -> (images, aux)`. `guided` (static) doubles the
   batch for CFG; `policy` chooses what each iteration computes (the baseline: everything);
@@ -372,6 +444,8 @@ def make_mar_sampler(mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, *, num_it
   the decoder's runs of alike blocks (no hooks, or a policy's hooks of one `scan_group`) as one
   `lax.scan` each (`MAR.run_encoder`): the program holds a block per run, not per block;
   `encoder_sizes`: the encoder's lengths compiled (the known positions padded into at most this
-  many; None: every position at one length, see the module docstring)."""
+  many; None: every position at one length, see the module docstring); `host_loop`: the
+  iterations driven from the host, each distinct trunk and head cache a program of its own,
+  compiled side by side (`HostLoop`), instead of one program whose scan switches between them."""
   return _MARSampler(mar_cfg, vae_cfg, num_iter, guided, num_diffusion_steps, policy or BASELINE, record,
-                     scan_blocks, encoder_sizes)
+                     scan_blocks, encoder_sizes, host_loop)

@@ -1,0 +1,67 @@
+"""A MAR sampler's call as programs of its own, driven by a host loop (`make_mar_sampler(...,
+host_loop=True)`): the start, each distinct trunk (a plan's model part at an encoder length) and
+head (a head cache's sampling loop), and the decoder. Each is compiled once, all side by side (XLA
+runs a program's passes on one thread, so a few small programs compile in a fraction of the time
+of one that holds them all), and the host calls each iteration's trunk, then its head, the carry
+(tokens, the policy's state) donated from one to the next and updated in place. A call's host time
+grows with its arguments' leaves, so each program takes only the weights it reads.
+
+benchmarks/RESULTS.md ("MAR's iterations as programs of their own") has what it costs at run time:
+the trunk and the head of an iteration fused into one program ran slower than apart."""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass
+class HostLoop:
+  """The programs of one call, lowered (as the sampler's `lower` gives them) or compiled (`compile()`,
+  then called as a compiled program is, with the arguments `sample.arguments(...)` gives):
+  `begin(*args) -> (cast, ctx, carry)`, `trunks[t](weights, ctx, carry) -> (z, idx, carry, record or
+  None)`, `heads[h](head, ctx, carry, z, idx) -> (carry, sampled)`, `finish(params, tokens) -> (images,
+  aux)`, where `weights(params, cast) -> (weights, head)` merges trees on the host (nothing
+  computed); iteration k runs trunks[trunk_ids[k]], then heads[head_ids[k]]."""
+  begin: Any
+  trunks: list
+  heads: list
+  finish: Any
+  weights: Callable
+  trunk_ids: tuple[int, ...]
+  head_ids: tuple[int, ...]
+
+  def compile(self, compiler_options: Optional[dict] = None, workers: Optional[int] = None) -> 'HostLoop':
+    """Every program compiled, `workers` at a time (None: all at once)."""
+    parts = [self.begin, *self.trunks, *self.heads, self.finish]
+    with concurrent.futures.ThreadPoolExecutor(workers or len(parts)) as pool:
+      done = list(pool.map(lambda p: p.compile(compiler_options=compiler_options), parts))
+    t = len(self.trunks)
+    return dataclasses.replace(self, begin=done[0], trunks=done[1:1 + t], heads=done[1 + t:-1], finish=done[-1])
+
+  def __call__(self, *args):
+    params = args[0]
+    cast, ctx, carry = self.begin(*args)
+    weights, head = self.weights(params, cast)
+    records = []
+    for t, h in zip(self.trunk_ids, self.head_ids):
+      z, idx, carry, record = self.trunks[t](weights, ctx, carry)
+      carry, sampled = self.heads[h](head, ctx, carry, z, idx)
+      records.append(None if record is None else {**record, 'sampled': sampled})
+    images, aux = self.finish(params, carry['tokens'])
+    if records[0] is not None:
+      aux['iterations'] = jax.tree.map(lambda *a: jnp.stack(a), *records)
+    return images, aux
+
+  def memory_analysis(self):
+    """XLA's memory analysis of the compiled program that holds the most (arguments + outputs +
+    temporaries - aliased): the call's peak, the weights and the carry being every iteration's
+    arguments."""
+    analyses = [p.memory_analysis() for p in (self.begin, *self.trunks, *self.heads, self.finish)]
+    if any(m is None for m in analyses):
+      return None
+    return max(analyses, key=lambda m: (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                                        - m.alias_size_in_bytes))
