@@ -283,7 +283,7 @@ class _MARSampler:
     draws = draws or dict(orders=None, noises=None, forced=None)
     mc = self.mar_cfg
     cast = {k: dense_params_in(v, mc.dtype) for k, v in params['mar'].items() if k.startswith(_CAST)}
-    mp = {'params': block_views({**params['mar'], **cast})}
+    mp = {'params': block_views(self._weights(params, cast)[0])}
     b, n, d = labels.shape[0], mc.seq_len, mc.token_embed_dim
     key, k_order = jax.random.split(key)
     order = draws['orders']
