@@ -34,10 +34,14 @@ class HostLoop:
   trunk_ids: tuple[int, ...]
   head_ids: tuple[int, ...]
 
-  def compile(self, compiler_options: Optional[dict] = None, workers: Optional[int] = None) -> 'HostLoop':
-    """Every program compiled, `workers` at a time (None: all at once)."""
-    parts = [self.begin, *self.trunks, *self.heads, self.finish]
-    with concurrent.futures.ThreadPoolExecutor(workers or len(parts)) as pool:
+  def programs(self) -> list:
+    """[begin, *trunks, *heads, finish]."""
+    return [self.begin, *self.trunks, *self.heads, self.finish]
+
+  def compile(self, compiler_options: Optional[dict] = None) -> 'HostLoop':
+    """Every program compiled, all at once on threads of their own."""
+    parts = self.programs()
+    with concurrent.futures.ThreadPoolExecutor(len(parts)) as pool:
       done = list(pool.map(lambda p: p.compile(compiler_options=compiler_options), parts))
     t = len(self.trunks)
     return dataclasses.replace(self, begin=done[0], trunks=done[1:1 + t], heads=done[1 + t:-1], finish=done[-1])
@@ -60,7 +64,7 @@ class HostLoop:
     """XLA's memory analysis of the compiled program that holds the most (arguments + outputs +
     temporaries - aliased): the call's peak, the weights and the carry being every iteration's
     arguments."""
-    analyses = [p.memory_analysis() for p in (self.begin, *self.trunks, *self.heads, self.finish)]
+    analyses = [p.memory_analysis() for p in self.programs()]
     if any(m is None for m in analyses):
       return None
     return max(analyses, key=lambda m: (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
