@@ -1,6 +1,7 @@
 """The benchmarks' helpers: command-line settings ('a=1,b=true', ';'-separated sets of XLA options),
 the device's idle gaps in a trace, what an optimised program's loop bodies run, the weights a
-sampler reads (its memory floor), and XLA's compile timers summarised."""
+sampler reads (its memory floor), XLA's compile timers summarised, and the CUDA graphs XLA's log
+says it re-recorded."""
 import dataclasses
 import pathlib
 import sys
@@ -20,6 +21,7 @@ import floors   # noqa: E402  pylint: disable=wrong-import-position
 from timing import device_gaps, host_events_under, settings, xla_variants   # noqa: E402  pylint: disable=wrong-import-position
 from hlo_loops import loops   # noqa: E402  pylint: disable=wrong-import-position
 from compile_passes import programs, summarise   # noqa: E402  pylint: disable=wrong-import-position
+from mar_host_loop import MARKER, graph_updates   # noqa: E402  pylint: disable=wrong-import-position
 
 # A scanned block's body as XLA's GPU dump writes it (abridged): a layer's weights and a LayerNorm
 # scale sliced out of their stacks as asynchronous copies, a Triton GEMM, a split-K cuBLAS GEMM and
@@ -206,3 +208,11 @@ def test_family_job_lowers_the_sampler_its_arguments_call():
                    **family.opts)
   assert images.shape == (2, config.image_size, config.image_size, 3)
   np.testing.assert_array_equal(images, want)
+
+
+def test_graph_updates_counts_the_re_recordings_after_the_marker_by_graph_size():
+  line = ('I1202 01:45:45.578280     651 command_buffer_thunk.cc:352] [0] Updated command buffer in {} μs; '
+          'num_commands={}')
+  log = '\n'.join([line.format(900, 571), MARKER, line.format(1200, 571), line.format(30, 19),
+                   line.format(1300, 571), 'I1202 unrelated line'])
+  assert graph_updates(log) == {571: (2, 2500), 19: (1, 30)}

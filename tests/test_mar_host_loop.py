@@ -71,6 +71,25 @@ def test_host_loop_lowers_one_program_per_distinct_trunk_and_head(params):
   assert [program.heads[h] for h in lowered.head_ids] == list(program.head_caches)
 
 
+def test_host_loop_parts_write_the_carry_in_its_own_buffers(params):
+  """Every part writes each carry leaf (the policy's state, the iteration's conditions) where it
+  read it, so the addresses XLA recorded in its CUDA graphs stay valid from call to call."""
+  sample = make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, policy=LazyMAR(**TINY), host_loop=True)
+  args = sample.arguments(params, jax.random.key(3), LABELS, cfg=3.0)
+  loop = sample.lower(*args[:3], cfg=3.0).compile()
+  cast, ctx, carry = loop.begin(*args)
+  weights, head = loop.weights(args[0], cast)
+  pointers = lambda tree: {jax.tree_util.keystr(p): a.unsafe_buffer_pointer()
+                           for p, a in jax.tree_util.tree_leaves_with_path(tree)}
+  start = pointers(carry)
+  assert {"['z']", "['idx']", "['state']['encoded']"} <= set(start)
+  for t, h in zip(loop.trunk_ids, loop.head_ids):
+    carry, _ = loop.trunks[t](weights, ctx, carry)
+    assert pointers(carry) == start
+    carry, sampled = loop.heads[h](head, ctx, carry)
+    assert pointers(carry) == start and sampled is None
+
+
 def test_the_config_and_its_override_choose_the_host_loop():
   config = mar_configs.get_config('tiny')
   assert sampling_from_config(config).settings['host_loop'] is False

@@ -3,11 +3,15 @@ host_loop=True)`): the start, each distinct trunk (a plan's model part at an enc
 head (a head cache's sampling loop), and the decoder. Each is compiled once, all side by side (XLA
 runs a program's passes on one thread, so a few small programs compile in a fraction of the time
 of one that holds them all), and the host calls each iteration's trunk, then its head, the carry
-(tokens, the policy's state) donated from one to the next and updated in place. A call's host time
-grows with its arguments' leaves, so each program takes only the weights it reads.
+(tokens, the policy's state, the iteration's conditions) donated from one to the next and updated
+in place, so the buffers each program reads stay put from call to call and XLA replays the CUDA
+graphs it recorded for them as they are (re-recording them whenever an address moved cost the
+host 157 ms of a 490 ms LazyMAR call on MAR-H). A call's host time grows with its arguments' leaves, so the heads take
+only the head's weights and the trunks MAR's, cast once a call.
 
-benchmarks/RESULTS.md ("MAR's iterations as programs of their own") has what it costs at run time:
-the trunk and the head of an iteration fused into one program ran slower than apart."""
+benchmarks/RESULTS.md ("MAR's iterations as programs of their own", "the host loop's parts write
+their carry in place") has what it costs at run time: the trunk and the head of an iteration fused
+into one program ran slower than apart."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -22,10 +26,10 @@ import jax.numpy as jnp
 class HostLoop:
   """The programs of one call, lowered (as the sampler's `lower` gives them) or compiled (`compile()`,
   then called as a compiled program is, with the arguments `sample.arguments(...)` gives):
-  `begin(*args) -> (cast, ctx, carry)`, `trunks[t](weights, ctx, carry) -> (z, idx, carry, record or
-  None)`, `heads[h](head, ctx, carry, z, idx) -> (carry, sampled)`, `finish(params, tokens) -> (images,
-  aux)`, where `weights(params, cast) -> (weights, head)` merges trees on the host (nothing
-  computed); iteration k runs trunks[trunk_ids[k]], then heads[head_ids[k]]."""
+  `begin(*args) -> (cast, ctx, carry)`, `trunks[t](weights, ctx, carry) -> (carry, record or None)`,
+  `heads[h](head, ctx, carry) -> (carry, sampled tokens or None)` (None where nothing is recorded),
+  `finish(params, tokens) -> (images, aux)`, where `weights(params, cast) -> (weights, head)` merges
+  trees on the host (nothing computed); iteration k runs trunks[trunk_ids[k]], then heads[head_ids[k]]."""
   begin: Any
   trunks: list
   heads: list
@@ -52,8 +56,8 @@ class HostLoop:
     weights, head = self.weights(params, cast)
     records = []
     for t, h in zip(self.trunk_ids, self.head_ids):
-      z, idx, carry, record = self.trunks[t](weights, ctx, carry)
-      carry, sampled = self.heads[h](head, ctx, carry, z, idx)
+      carry, record = self.trunks[t](weights, ctx, carry)
+      carry, sampled = self.heads[h](head, ctx, carry)
       records.append(None if record is None else {**record, 'sampled': sampled})
     images, aux = self.finish(params, carry['tokens'])
     if records[0] is not None:

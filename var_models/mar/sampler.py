@@ -371,21 +371,34 @@ class _MARSampler:
 
   def _lower_parts(self, args: tuple, static: dict) -> 'HostLoop':
     """The call's parts lowered apart (`HostLoop`): its start, each distinct trunk and head cache,
-    the decoder; args and static as `_checked` gives them."""
+    the decoder; args and static as `_checked` gives them. The carry between them also holds the
+    iteration's conditions 'z' and positions 'idx', and every part donates its carry and keeps its
+    unused leaves as arguments, so each output of a part is written in its input's place (the
+    sampled tokens are returned only to be recorded): the buffers a part reads stay where they
+    were, and XLA replays its recorded CUDA graphs without updating them."""
     prog = self.program(args[2].shape[0])
-    begin = jax.jit(functools.partial(prog._begin, **static))
-    cast, ctx, carry = jax.eval_shape(begin, *args)
+    cast, ctx, carry = jax.eval_shape(functools.partial(prog._begin, **static), *args)
     weights, head = prog._weights(args[0], cast)
+    z, idx, _, _ = jax.eval_shape(lambda w, c, k: prog._trunk(*prog._views(w), prog.trunks[0], c, k), weights, ctx,
+                                  carry)
 
-    def trunk(t, weights, ctx, carry):
+    def begin(*args):
+      cast, ctx, carry = prog._begin(*args, **static)
+      return cast, ctx, {**carry, 'z': jnp.zeros(z.shape, z.dtype), 'idx': jnp.zeros(idx.shape, idx.dtype)}
+
+    def trunk_part(t, weights, ctx, carry):
       z, idx, carry, record = prog._trunk(*prog._views(weights), t, ctx, carry)
-      return z, idx, carry, prog._record(idx, None, record)
+      return {**carry, 'z': z, 'idx': idx}, prog._record(idx, None, record)
 
-    trunks = [jax.jit(functools.partial(trunk, t), donate_argnums=2) for t in prog.trunks]
-    z, idx, _, _ = jax.eval_shape(trunks[0], weights, ctx, carry)
-    heads = [jax.jit(functools.partial(prog._head, h), donate_argnums=2) for h in range(len(prog.heads))]
-    return HostLoop(begin.lower(*args), [f.lower(weights, ctx, carry) for f in trunks],
-                    [f.lower(head, ctx, carry, z, idx) for f in heads],
+    def head_part(h, head, ctx, carry):
+      carry, sampled = prog._head(h, head, ctx, carry, carry['z'], carry['idx'])
+      return carry, sampled if prog.record else None
+
+    part = functools.partial(jax.jit, donate_argnums=2, keep_unused=True)
+    carry = jax.eval_shape(begin, *args)[2]
+    return HostLoop(jax.jit(begin).lower(*args),
+                    [part(functools.partial(trunk_part, t)).lower(weights, ctx, carry) for t in prog.trunks],
+                    [part(functools.partial(head_part, h)).lower(head, ctx, carry) for h in range(len(prog.heads))],
                     jax.jit(prog._finish).lower(args[0], carry['tokens']), prog._weights, prog.trunk_ids,
                     prog.head_ids)
 

@@ -1,0 +1,111 @@
+"""MAR's sampler driven from the host (`host_loop=True`) against its one program, in one process:
+calls timed in alternating rounds, and where the host loop's host time goes.
+
+  python3 benchmarks/mar_host_loop.py --size huge --sampler lazymar:official --compilation_cache=
+  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
+    python3 benchmarks/mar_host_loop.py --size huge --rounds 0 --compilation_cache= 2> /tmp/xla.log
+  python3 benchmarks/mar_host_loop.py --updates /tmp/xla.log
+  python benchmarks/mar_host_loop.py --size tiny --attn xla --dtype float32 --overrides num_iter=4,num_steps=4 \
+    --sampler baseline --rounds 1 --iters 1   # on a CPU
+
+The one program is compiled first, so the host loop's parts reuse XLA's autotuning picks for the
+fusions they share with it (what a second sampler in a process gets; `accelerators.py` compiles
+each cold). Rounds alternate the two (--iters calls each after --warmup, the median), so drift in
+the GPU's clock falls on both. The host-time line splits one host-loop call into the seconds the
+host spent inside the trunks' and the heads' calls and the wait for the device after the last.
+
+With XLA's command-buffer log (the second command), `--updates LOG` counts the CUDA graphs XLA
+re-recorded after the timed marker, by their command count: a graph is re-recorded whenever a
+buffer it reads has moved since its last launch.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import statistics
+import sys
+import time
+
+import jax
+
+from accelerators import family_config, family_job, family_layouts
+from sampling import compilation_cache
+from timing import call_times, settings
+
+MARKER = 'mar_host_loop: timed calls start'
+
+
+def host_split(loop, args) -> dict:
+  """Milliseconds of one call of a compiled `HostLoop` on `args`: all of it, the host's time inside
+  its trunks' and heads' calls, and the wait for the device after the decoder's call."""
+  t0 = time.perf_counter()
+  cast, ctx, carry = loop.begin(*args)
+  weights, head = loop.weights(args[0], cast)
+  inside = collections.Counter()
+  for t, h in zip(loop.trunk_ids, loop.head_ids):
+    s = time.perf_counter()
+    carry, _ = loop.trunks[t](weights, ctx, carry)
+    inside['trunks'] += time.perf_counter() - s
+    s = time.perf_counter()
+    carry, _ = loop.heads[h](head, ctx, carry)
+    inside['heads'] += time.perf_counter() - s
+  out = loop.finish(args[0], carry['tokens'])
+  s = time.perf_counter()
+  jax.block_until_ready(out)
+  inside['wait'] = time.perf_counter() - s
+  return {'call': 1e3 * (time.perf_counter() - t0), **{k: 1e3 * v for k, v in inside.items()}}
+
+
+def graph_updates(log: str) -> dict[int, tuple[int, int]]:
+  """{commands in a CUDA graph: (its re-recordings, their microseconds)} from XLA's command-buffer
+  log after MARKER."""
+  out = collections.defaultdict(lambda: [0, 0])
+  for us, n in re.findall(r'Updated command buffer in (\d+) .s; num_commands=(\d+)', log.split(MARKER)[-1]):
+    out[int(n)][0] += 1
+    out[int(n)][1] += int(us)
+  return {n: tuple(v) for n, v in out.items()}
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument('--size', default='huge', help='a config of configs/mar.py')
+  ap.add_argument('--sampler', default='lazymar:official', help="a policy spec or 'baseline'")
+  ap.add_argument('--batch', type=int, default=1)
+  ap.add_argument('--dtype', default='bfloat16')
+  ap.add_argument('--attn', default='cudnn')
+  ap.add_argument('--overrides', default='', help="sampling settings over accelerators.FAMILY_OVERRIDES "
+                  "('key=value,...')")
+  ap.add_argument('--rounds', type=int, default=3)
+  ap.add_argument('--iters', type=int, default=9)
+  ap.add_argument('--warmup', type=int, default=2)
+  ap.add_argument('--updates', default='', help="a log of the second command: count its graphs' re-recordings")
+  args = compilation_cache.parse_args(ap)
+  if args.updates:
+    with open(args.updates, errors='replace') as f:
+      for n, (count, us) in sorted(graph_updates(f.read()).items(), key=lambda kv: -kv[1][1]):
+        print(f'graph of {n} commands: re-recorded {count} times, {us / 1e3:.1f} ms')
+    return
+  print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
+  config = family_config('mar', args.size, args.dtype, args.attn)
+  runs = {}
+  for name, host_loop in (('one program', False), ('host loop', True)):
+    family, makes, params = family_layouts(config, 'off', {**settings(args.overrides), 'host_loop': host_loop})
+    _, lowered, make_args = family_job(family, makes, params, args.sampler, args.batch)
+    t0 = time.perf_counter()
+    runs[name] = lowered.compile(), make_args
+    print(f'{name}: compiled in {time.perf_counter() - t0:.1f} s', flush=True)
+  loop, make_args = runs['host loop']
+  for i in range(args.warmup):
+    jax.block_until_ready(loop(*make_args(i)))
+  print(MARKER, file=sys.stderr, flush=True)
+  split = host_split(loop, jax.block_until_ready(make_args(args.warmup)))
+  print('host loop, one call (ms): ' + ', '.join(f'{k} {v:.1f}' for k, v in split.items()), flush=True)
+  for r in range(args.rounds):
+    ms = {name: 1e3 * statistics.median(call_times(fn, ma, args.warmup, args.iters)) for name, (fn, ma) in runs.items()}
+    print(f'round {r}: one program {ms["one program"]:.1f} ms, host loop {ms["host loop"]:.1f} ms, '
+          f'{ms["host loop"] / ms["one program"]:.3f}x', flush=True)
+
+
+if __name__ == '__main__':
+  main()
