@@ -14,6 +14,11 @@ each cold). Rounds alternate the two (--iters calls each after --warmup, the med
 the GPU's clock falls on both. The host-time line splits one host-loop call into the seconds the
 host spent inside the trunks' and the heads' calls and the wait for the device after the last.
 
+--profile DIR traces one call of each under DIR and prints its device time by kernel and the host
+events under the device's longest idle gaps (`timing.print_top_device_ops`; while the profiler
+runs, XLA replays no CUDA graph but launches their kernels one by one, so the launches' own cost
+differs from an untraced call).
+
 With XLA's command-buffer log (the second command), `--updates LOG` counts the CUDA graphs XLA
 re-recorded after the timed marker, by their command count: a graph is re-recorded whenever a
 buffer it reads has moved since its last launch.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import statistics
 import sys
@@ -31,7 +37,7 @@ import jax
 
 from accelerators import family_config, family_job, family_layouts
 from sampling import compilation_cache
-from timing import call_times, settings
+from timing import call_times, print_top_device_ops, settings
 
 MARKER = 'mar_host_loop: timed calls start'
 
@@ -79,6 +85,7 @@ def main():
   ap.add_argument('--rounds', type=int, default=3)
   ap.add_argument('--iters', type=int, default=9)
   ap.add_argument('--warmup', type=int, default=2)
+  ap.add_argument('--profile', default='', help='trace one call of each under this folder')
   ap.add_argument('--updates', default='', help="a log of the second command: count its graphs' re-recordings")
   args = compilation_cache.parse_args(ap)
   if args.updates:
@@ -105,6 +112,10 @@ def main():
     ms = {name: 1e3 * statistics.median(call_times(fn, ma, args.warmup, args.iters)) for name, (fn, ma) in runs.items()}
     print(f'round {r}: one program {ms["one program"]:.1f} ms, host loop {ms["host loop"]:.1f} ms, '
           f'{ms["host loop"] / ms["one program"]:.3f}x', flush=True)
+  for name, (fn, ma) in runs.items() if args.profile else ():
+    print(f'{name}, one call traced:', flush=True)
+    call = ma(0)
+    print_top_device_ops(lambda: jax.block_until_ready(fn(*call)), os.path.join(args.profile, name.replace(' ', '_')))
 
 
 if __name__ == '__main__':
