@@ -6,12 +6,12 @@ of one that holds them all), and the host calls each iteration's trunk, then its
 (tokens, the policy's state, the iteration's conditions) donated from one to the next and updated
 in place, so the buffers each program reads stay put from call to call and XLA replays the CUDA
 graphs it recorded for them as they are (re-recording them whenever an address moved cost the
-host 157 ms of a 490 ms LazyMAR call on MAR-H). A call's host time grows with its arguments' leaves, so the heads take
-only the head's weights and the trunks MAR's, cast once a call.
+host 157 ms of a 490 ms LazyMAR call on MAR-H). A call's host time grows with its arguments'
+leaves, so the heads take only the head's weights and the trunks MAR's, cast once a call.
 
 benchmarks/RESULTS.md ("MAR's iterations as programs of their own", "the host loop's parts write
 their carry in place") has what it costs at run time: the trunk and the head of an iteration fused
-into one program ran slower than apart."""
+into one program ran slower than apart (measured while buffers still moved)."""
 from __future__ import annotations
 
 import concurrent.futures
