@@ -35,6 +35,7 @@ import time
 
 import jax
 
+from accel.timing import compiled_in
 from accelerators import family_config, family_job, family_layouts
 from sampling import compilation_cache
 from timing import call_times, print_top_device_ops, settings
@@ -73,6 +74,13 @@ def graph_updates(log: str) -> dict[int, tuple[int, int]]:
   return {n: tuple(v) for n, v in out.items()}
 
 
+def print_graph_updates(path: str) -> None:
+  """`graph_updates` of the log at `path`, the costliest graphs first."""
+  with open(path, errors='replace') as f:
+    for n, (count, us) in sorted(graph_updates(f.read()).items(), key=lambda kv: -kv[1][1]):
+      print(f'graph of {n} commands: re-recorded {count} times, {us / 1e3:.1f} ms')
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument('--size', default='huge', help='a config of configs/mar.py')
@@ -89,9 +97,7 @@ def main():
   ap.add_argument('--updates', default='', help="a log of the second command: count its graphs' re-recordings")
   args = compilation_cache.parse_args(ap)
   if args.updates:
-    with open(args.updates, errors='replace') as f:
-      for n, (count, us) in sorted(graph_updates(f.read()).items(), key=lambda kv: -kv[1][1]):
-        print(f'graph of {n} commands: re-recorded {count} times, {us / 1e3:.1f} ms')
+    print_graph_updates(args.updates)
     return
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
   config = family_config('mar', args.size, args.dtype, args.attn)
@@ -99,9 +105,9 @@ def main():
   for name, host_loop in (('one program', False), ('host loop', True)):
     family, makes, params = family_layouts(config, 'off', {**settings(args.overrides), 'host_loop': host_loop})
     _, lowered, make_args = family_job(family, makes, params, args.sampler, args.batch)
-    t0 = time.perf_counter()
-    runs[name] = lowered.compile(), make_args
-    print(f'{name}: compiled in {time.perf_counter() - t0:.1f} s', flush=True)
+    compiled, seconds = compiled_in(lowered)
+    runs[name] = compiled, make_args
+    print(f'{name}: compiled in {seconds:.1f} s', flush=True)
   loop, make_args = runs['host loop']
   for i in range(args.warmup):
     jax.block_until_ready(loop(*make_args(i)))

@@ -395,7 +395,7 @@ class _MARSampler:
       return carry, sampled if prog.record else None
 
     part = functools.partial(jax.jit, donate_argnums=2, keep_unused=True)
-    carry = jax.eval_shape(begin, *args)[2]
+    carry = {**carry, 'z': z, 'idx': idx}
     return HostLoop(jax.jit(begin).lower(*args),
                     [part(functools.partial(trunk_part, t)).lower(weights, ctx, carry) for t in prog.trunks],
                     [part(functools.partial(head_part, h)).lower(head, ctx, carry) for h in range(len(prog.heads))],
