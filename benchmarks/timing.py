@@ -141,6 +141,25 @@ def device_gaps(events, min_gap_us: float = 5.0) -> tuple[float, list[tuple[floa
   return end - kernels[0][0], gaps
 
 
+def gaps_by_neighbours(events, lo_us: float, hi_us: float = float('inf')) -> dict:
+  """`trace_events(...)['device']` -> {(kernel before, kernel after): (count, total us)} over the
+  gaps of [lo_us, hi_us) when no kernel runs on any stream ('Stream' lines, as `device_gaps`), each
+  named by the kernel that ended last before it and the one that starts it (a Pallas kernel's call
+  sites as one, as `top_ops`). Says which launches wait: a memset before every cuDNN call, a
+  program's first kernel after its host-side launch, a conditional's read-back."""
+  name = lambda n: re.sub(r'__\d+$', '', n)
+  kernels = sorted((ts, ts + d, name(n)) for line, n, ts, d in events if 'Stream' in line)
+  out = collections.defaultdict(lambda: [0, 0.0])
+  end, last = (kernels[0][1], kernels[0][2]) if kernels else (0.0, '')
+  for start, stop, n in kernels[1:]:
+    if lo_us <= start - end < hi_us:
+      out[last, n][0] += 1
+      out[last, n][1] += start - end
+    if stop > end:
+      end, last = stop, n
+  return {pair: tuple(v) for pair, v in out.items()}
+
+
 def host_events_under(host, gaps, longest_us: float) -> collections.Counter:
   """{host event name: how many of `gaps` (disjoint, in time order) it overlaps}, over the host
   events (`trace_events(...)['host']`) shorter than `longest_us` (not the call's enclosing spans).
@@ -158,13 +177,19 @@ def host_events_under(host, gaps, longest_us: float) -> collections.Counter:
 def device_gap_summary(events: dict, top: int = 8) -> str:
   """How long the GPU sat idle inside the traced call (`trace_events`), and the host events most
   often under its 200 longest gaps (what the GPU waited for: a conditional's read-back, a loop's
-  launch, ...)."""
+  launch, ...), and the kernels around the short and the long gaps that cost most
+  (`gaps_by_neighbours`)."""
   span, gaps = device_gaps(events['device'])
   idle = sum(b - a for a, b in gaps)
   longest = sorted(sorted(gaps, key=lambda g: g[1] - g[0], reverse=True)[:200])
   under = host_events_under(events['host'], longest, span / 2)
+  around = lambda lo, hi: ', '.join(
+      f'{a[:28]} > {b[:28]} x{n} {us / 1e3:.2f} ms' for (a, b), (n, us) in
+      sorted(gaps_by_neighbours(events['device'], lo, hi).items(), key=lambda kv: -kv[1][1])[:4])
   return (f'  device idle {idle / 1e3:.2f} ms of a {span / 1e3:.2f} ms span ({len(gaps)} gaps >= 5 us); host events '
-          f'under the {len(longest)} longest: {under.most_common(top)}')
+          f'under the {len(longest)} longest: {under.most_common(top)}\n'
+          f'  gaps of 2-20 us, by the kernels before > after them: {around(2.0, 20.0)}\n'
+          f'  gaps of >= 20 us, by the kernels before > after them: {around(20.0, float("inf"))}')
 
 
 def print_top_device_ops(run: Callable[[], None], logdir: str, top: int = 30) -> None:

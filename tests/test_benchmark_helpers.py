@@ -18,7 +18,7 @@ from test_mar_sampler import MAR_CFG, VAE_CFG
 
 sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / 'benchmarks'))
 import floors   # noqa: E402  pylint: disable=wrong-import-position
-from timing import device_gaps, host_events_under, settings, xla_variants   # noqa: E402  pylint: disable=wrong-import-position
+from timing import device_gaps, gaps_by_neighbours, host_events_under, settings, xla_variants   # noqa: E402  pylint: disable=wrong-import-position
 from hlo_loops import loops   # noqa: E402  pylint: disable=wrong-import-position
 from compile_passes import programs, summarise   # noqa: E402  pylint: disable=wrong-import-position
 from mar_host_loop import MARKER, graph_updates   # noqa: E402  pylint: disable=wrong-import-position
@@ -62,6 +62,15 @@ def test_device_gaps_are_the_times_no_stream_runs_a_kernel():
   assert device_gaps(events, min_gap_us=1.0) == (44.0, [(10.0, 12.0), (30.0, 40.0), (42.0, 43.0)])
   assert device_gaps(events, min_gap_us=5.0) == (44.0, [(30.0, 40.0)])
   assert device_gaps([('XLA Ops', 'x', 0.0, 1.0)]) == (0.0, [])
+
+
+def test_gaps_by_neighbours_name_each_gap_by_the_kernel_that_ended_last_and_the_one_after():
+  events = [('Stream #1', 'memset', 0.0, 1.0), ('Stream #1', 'sdpa', 5.0, 10.0), ('Stream #2', 'gemm', 6.0, 2.0),
+            ('Stream #1', 'memset', 18.0, 1.0), ('Stream #1', 'sdpa', 23.0, 10.0), ('Stream #1', 'k__3', 60.0, 1.0),
+            ('XLA Ops', 'fusion', 0.0, 61.0)]   # not a stream: no kernel of its own
+  assert gaps_by_neighbours(events, 2.0, 20.0) == {('memset', 'sdpa'): (2, 8.0), ('sdpa', 'memset'): (1, 3.0)}
+  assert gaps_by_neighbours(events, 20.0) == {('sdpa', 'k'): (1, 27.0)}
+  assert gaps_by_neighbours([], 0.0) == {}
 
 
 def test_host_events_under_gaps_count_each_overlapped_gap_and_skip_long_spans():
