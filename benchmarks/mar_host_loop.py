@@ -10,9 +10,11 @@ calls timed in alternating rounds, and where the host loop's host time goes.
 
 The one program is compiled first, so the host loop's parts reuse XLA's autotuning picks for the
 fusions they share with it (what a second sampler in a process gets; `accelerators.py` compiles
-each cold). Rounds alternate the two (--iters calls each after --warmup, the median), so drift in
-the GPU's clock falls on both. The host-time line splits one host-loop call into the seconds the
-host spent inside the trunks' and the heads' calls and the wait for the device after the last.
+each cold). `--attn cudnn,xla` builds both for each attention backend, every time printed over the
+fastest one program's. Rounds alternate them all (--iters calls each after --warmup, the median),
+so drift in the GPU's clock falls on each. The host-time line splits one host-loop call into the
+seconds the host spent inside the trunks' and the heads' calls and the wait for the device after
+the last.
 
 --profile DIR traces one call of each under DIR and prints its device time by kernel and the host
 events under the device's longest idle gaps (`timing.print_top_device_ops`; while the profiler
@@ -87,7 +89,8 @@ def main():
   ap.add_argument('--sampler', default='lazymar:official', help="a policy spec or 'baseline'")
   ap.add_argument('--batch', type=int, default=1)
   ap.add_argument('--dtype', default='bfloat16')
-  ap.add_argument('--attn', default='cudnn')
+  ap.add_argument('--attn', default='cudnn', help="attention backends, 'a,b': each with its one program "
+                  'and its host loop, every time over the fastest one program')
   ap.add_argument('--overrides', default='', help="sampling settings over accelerators.FAMILY_OVERRIDES "
                   "('key=value,...')")
   ap.add_argument('--rounds', type=int, default=3)
@@ -100,29 +103,33 @@ def main():
     print_graph_updates(args.updates)
     return
   print(f'device: {jax.devices()[0].device_kind}, jax {jax.__version__}', flush=True)
-  config = family_config('mar', args.size, args.dtype, args.attn)
   runs = {}
-  for name, host_loop in (('one program', False), ('host loop', True)):
-    family, makes, params = family_layouts(config, 'off', {**settings(args.overrides), 'host_loop': host_loop})
-    _, lowered, make_args = family_job(family, makes, params, args.sampler, args.batch)
-    compiled, seconds = compiled_in(lowered)
-    runs[name] = compiled, make_args
-    print(f'{name}: compiled in {seconds:.1f} s', flush=True)
-  loop, make_args = runs['host loop']
-  for i in range(args.warmup):
-    jax.block_until_ready(loop(*make_args(i)))
+  for attn in args.attn.split(','):
+    config = family_config('mar', args.size, args.dtype, attn)
+    for kind, host_loop in (('one program', False), ('host loop', True)):
+      family, makes, params = family_layouts(config, 'off', {**settings(args.overrides), 'host_loop': host_loop})
+      _, lowered, make_args = family_job(family, makes, params, args.sampler, args.batch)
+      compiled, seconds = compiled_in(lowered)
+      name = f'{kind} ({attn})'
+      runs[name] = compiled, make_args
+      print(f'{name}: compiled in {seconds:.1f} s', flush=True)
+  loops = {name: run for name, run in runs.items() if name.startswith('host loop')}
+  for loop, make_args in loops.values():
+    for i in range(args.warmup):
+      jax.block_until_ready(loop(*make_args(i)))
   print(MARKER, file=sys.stderr, flush=True)
-  split = host_split(loop, jax.block_until_ready(make_args(args.warmup)))
-  print('host loop, one call (ms): ' + ', '.join(f'{k} {v:.1f}' for k, v in split.items()), flush=True)
+  for name, (loop, make_args) in loops.items():
+    split = host_split(loop, jax.block_until_ready(make_args(args.warmup)))
+    print(f'{name}, one call (ms): ' + ', '.join(f'{k} {v:.1f}' for k, v in split.items()), flush=True)
   for r in range(args.rounds):
     ms = {name: 1e3 * statistics.median(call_times(fn, ma, args.warmup, args.iters)) for name, (fn, ma) in runs.items()}
-    print(f'round {r}: one program {ms["one program"]:.1f} ms, host loop {ms["host loop"]:.1f} ms, '
-          f'{ms["host loop"] / ms["one program"]:.3f}x', flush=True)
+    fastest = min(v for name, v in ms.items() if name.startswith('one program'))
+    print(f'round {r}: ' + ', '.join(f'{name} {v:.1f} ms ({v / fastest:.3f}x)' for name, v in ms.items()), flush=True)
   for name, (fn, ma) in runs.items() if args.profile else ():
     print(f'{name}, one call traced:', flush=True)
     call = ma(0)
-    print_top_device_ops(lambda: jax.block_until_ready(fn(*call)), os.path.join(args.profile, name.replace(' ', '_')))
-
+    print_top_device_ops(lambda: jax.block_until_ready(fn(*call)),
+                         os.path.join(args.profile, re.sub(r'\W+', '_', name).strip('_')))
 
 if __name__ == '__main__':
   main()
