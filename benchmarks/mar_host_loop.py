@@ -131,5 +131,6 @@ def main():
     print_top_device_ops(lambda: jax.block_until_ready(fn(*call)),
                          os.path.join(args.profile, re.sub(r'\W+', '_', name).strip('_')))
 
+
 if __name__ == '__main__':
   main()
