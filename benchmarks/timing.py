@@ -119,44 +119,52 @@ def top_ops(events, top: int = 25):
   A Pallas kernel's call sites (`name__3`, `name__5`, ...) count as one op."""
   total, count, busy = collections.Counter(), collections.Counter(), collections.Counter()
   for line, name, _, dur in events:
-    name = re.sub(r'__\d+$', '', name)
+    name = _op_name(name)
     total[line, name] += dur / 1e3
     count[line, name] += 1
     busy[line] += dur / 1e3
   return [(line, name, ms, count[line, name]) for (line, name), ms in total.most_common(top)], dict(busy)
 
 
-def device_gaps(events, min_gap_us: float = 5.0) -> tuple[float, list[tuple[float, float]]]:
-  """`trace_events(...)['device']` -> (span us, [(start, end) us] of every gap of at least `min_gap_us` when no
-  kernel runs on any stream). Only the 'Stream' lines count: the others view the same work as
-  XLA ops, which span the gaps inside a loop or a conditional."""
-  kernels = sorted((ts, ts + d) for line, _, ts, d in events if 'Stream' in line)
+def _op_name(name: str) -> str:
+  """A kernel's name with a Pallas call site's suffix (`name__3`) dropped: its call sites are one op."""
+  return re.sub(r'__\d+$', '', name)
+
+
+def _stream_gaps(events) -> tuple[float, list[tuple[float, float, str, str]]]:
+  """`trace_events(...)['device']` -> (span us, [(start, end, kernel before, kernel after)] of every
+  time no kernel runs on any stream), each gap named by the kernel that ended last before it and
+  the one that ends it. Only the 'Stream' lines count: the others view the same work as XLA ops,
+  which span the gaps inside a loop or a conditional."""
+  kernels = sorted((ts, ts + d, _op_name(n)) for line, n, ts, d in events if 'Stream' in line)
   if not kernels:
     return 0.0, []
-  gaps, end = [], kernels[0][1]
-  for start, stop in kernels[1:]:
-    if start - end >= min_gap_us:
-      gaps.append((end, start))
-    end = max(end, stop)
+  gaps, (_, end, last) = [], kernels[0]
+  for start, stop, name in kernels[1:]:
+    if start > end:
+      gaps.append((end, start, last, name))
+    if stop > end:
+      end, last = stop, name
   return end - kernels[0][0], gaps
+
+
+def device_gaps(events, min_gap_us: float = 5.0) -> tuple[float, list[tuple[float, float]]]:
+  """`trace_events(...)['device']` -> (span us, [(start, end) us] of every gap of at least `min_gap_us` when no
+  kernel runs on any stream, `_stream_gaps`)."""
+  span, gaps = _stream_gaps(events)
+  return span, [(a, b) for a, b, _, _ in gaps if b - a >= min_gap_us]
 
 
 def gaps_by_neighbours(events, lo_us: float, hi_us: float = float('inf')) -> dict:
   """`trace_events(...)['device']` -> {(kernel before, kernel after): (count, total us)} over the
-  gaps of [lo_us, hi_us) when no kernel runs on any stream ('Stream' lines, as `device_gaps`), each
-  named by the kernel that ended last before it and the one that starts it (a Pallas kernel's call
-  sites as one, as `top_ops`). Says which launches wait: a memset before every cuDNN call, a
-  program's first kernel after its host-side launch, a conditional's read-back."""
-  name = lambda n: re.sub(r'__\d+$', '', n)
-  kernels = sorted((ts, ts + d, name(n)) for line, n, ts, d in events if 'Stream' in line)
+  gaps of [lo_us, hi_us) when no kernel runs on any stream (`_stream_gaps`). Says which launches
+  wait: a memset before every cuDNN call, a program's first kernel after its host-side launch, a
+  conditional's read-back."""
   out = collections.defaultdict(lambda: [0, 0.0])
-  end, last = (kernels[0][1], kernels[0][2]) if kernels else (0.0, '')
-  for start, stop, n in kernels[1:]:
-    if lo_us <= start - end < hi_us:
-      out[last, n][0] += 1
-      out[last, n][1] += start - end
-    if stop > end:
-      end, last = stop, n
+  for a, b, before, after in _stream_gaps(events)[1]:
+    if lo_us <= b - a < hi_us:
+      out[before, after][0] += 1
+      out[before, after][1] += b - a
   return {pair: tuple(v) for pair, v in out.items()}
 
 
