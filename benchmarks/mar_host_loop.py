@@ -40,7 +40,7 @@ import jax
 from accel.timing import compiled_in
 from accelerators import family_config, family_job, family_layouts
 from sampling import compilation_cache
-from timing import call_times, print_top_device_ops, settings
+from timing import call_times, print_top_device_ops, settings, xla_variants
 
 MARKER = 'mar_host_loop: timed calls start'
 
@@ -91,6 +91,8 @@ def main():
   ap.add_argument('--dtype', default='bfloat16')
   ap.add_argument('--attn', default='cudnn', help="attention backends, 'a,b': each with its one program "
                   'and its host loop, every time over the fastest one program')
+  ap.add_argument('--xla', default='', help="';'-separated sets of XLA options ('a=1,b=true'), each compiling "
+                  "every host loop's parts apart (rows 'host loop (attn, set)'; '' is XLA's defaults)")
   ap.add_argument('--overrides', default='', help="sampling settings over accelerators.FAMILY_OVERRIDES "
                   "('key=value,...')")
   ap.add_argument('--rounds', type=int, default=3)
@@ -109,10 +111,11 @@ def main():
     for kind, host_loop in (('one program', False), ('host loop', True)):
       family, makes, params = family_layouts(config, 'off', {**settings(args.overrides), 'host_loop': host_loop})
       _, lowered, make_args = family_job(family, makes, params, args.sampler, args.batch)
-      compiled, seconds = compiled_in(lowered)
-      name = f'{kind} ({attn})'
-      runs[name] = compiled, make_args
-      print(f'{name}: compiled in {seconds:.1f} s', flush=True)
+      for spec, options in zip(args.xla.split(';'), xla_variants(args.xla)) if host_loop else [('', {})]:
+        compiled, seconds = compiled_in(lowered, options)
+        name = f'{kind} ({attn}{", " + spec if spec else ""})'
+        runs[name] = compiled, make_args
+        print(f'{name}: compiled in {seconds:.1f} s', flush=True)
   loops = {name: run for name, run in runs.items() if name.startswith('host loop')}
   for loop, make_args in loops.values():
     for i in range(args.warmup):
