@@ -12,7 +12,7 @@ from pallas_kernels.column_sums import group_column_sums
 from pallas_kernels.dense_gelu import dense_gelu
 from pallas_kernels.dense_gelu import pays as dense_gelu_pays
 from pallas_kernels.dispatch import IMPLS, override, resolve
-from pallas_kernels.few_token_attention import MAX_TOKENS as FEW_TOKENS
+from pallas_kernels.few_token_attention import ONE_BLOCK as FEW_TOKENS
 from pallas_kernels.few_token_attention import few_token_attention
 from pallas_kernels.few_token_attention import unsupported as few_token_attention_unsupported
 from pallas_kernels.gathered_attention import gathered_attention

@@ -13,7 +13,7 @@ import pallas_kernels
 from pallas_kernels import few_token_attention
 from pallas_kernels.reference import masked_attention
 from var_models.nn import attention as attention_lib
-from var_models.nn.attention import ScaleCausal, attention
+from var_models.nn.attention import ScaleCausal, TokenMask, attention
 
 
 def _qkv(seed, lq, lk, h=3, d=72, dtype=jnp.float32):
@@ -31,6 +31,43 @@ def test_kernel_matches_the_reference(lq, lk, d):
   got = few_token_attention(q, k, v, scale=0.3, impl='interpret')
   assert got.shape == q.shape
   np.testing.assert_allclose(np.asarray(got), np.asarray(_want(q, k, v, 0.3)), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize('lq,lk,d', [(320, 320, 80), (300, 200, 80), (129, 130, 32), (64, 320, 80)])
+def test_calls_over_more_than_one_block_loop_over_key_blocks_with_the_references_values(lq, lk, d):
+  """Past ONE_BLOCK tokens a program holds a block of queries and loops over blocks of keys (MAR's
+  320 tokens of 80-wide heads); partial last blocks on both axes."""
+  q, k, v = _qkv(lq * lk, lq, lk, h=2, d=d)
+  got = few_token_attention(q, k, v, scale=0.3, impl='interpret')
+  np.testing.assert_allclose(np.asarray(got), np.asarray(_want(q, k, v, 0.3)), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize('lq,lk', [(16, 16), (320, 320), (40, 200)])
+def test_a_key_mask_hides_each_samples_keys_and_a_query_that_sees_none_gives_zeros(lq, lk):
+  """MAR's encoder: each sample attends to its own known tokens; sample 1 here sees no key."""
+  q, k, v = _qkv(lq + lk, lq, lk, h=2, d=80)
+  seen = np.random.default_rng(lk).random((2, lk)) < 0.6
+  seen[1] = False
+  got = few_token_attention(q, k, v, scale=0.3, key_mask=seen, impl='interpret')
+  want = jnp.concatenate([masked_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1],
+                                           np.broadcast_to(seen[i], (1, lq, lk)), 0.3)[0] for i in range(2)])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+  assert not np.asarray(got[1]).any()
+  loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+  g = jax.grad(loss(lambda *a: few_token_attention(*a, scale=0.3, key_mask=seen, impl='interpret')))(q, k, v)
+  w = jax.grad(loss(lambda *a: few_token_attention(*a, scale=0.3, key_mask=seen, impl='reference')))(q, k, v)
+  np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+def test_lowers_to_triton_at_mar_h_shapes_without_a_copy():
+  """MAR-H's decoder (320 tokens, 16 heads of 80, guidance's two samples) and its encoder under
+  a key mask: one kernel reading [B, L, H, D] in place."""
+  x = jax.ShapeDtypeStruct((2, 320, 16, 80), jnp.bfloat16)
+  mask = jax.ShapeDtypeStruct((2, 320), jnp.bool_)
+  f = lambda q, k, v, m: few_token_attention(q, k, v, key_mask=m, impl='triton')
+  text = jax.jit(f).trace(x, x, x, mask).lower(lowering_platforms=('cuda',)).as_text()
+  assert 'few_token_attention' in text
+  assert 'stablehlo.transpose' not in text and 'stablehlo.pad' not in text and 'stablehlo.slice' not in text
 
 
 @pytest.mark.parametrize('lq,buffer,kv_len', [(1, 84, 1), (9, 84, 20), (64, 84, 84), (25, 200, 91)])
@@ -91,16 +128,18 @@ def test_a_programs_calls_of_one_shape_lower_the_kernel_once():
 
 
 def test_unsupported_inputs_name_the_misfit():
-  q, k, v = _qkv(3, 129, 129, h=1, d=16)
-  with pytest.raises(ValueError, match='at most 128 queries and keys, got Lq=129'):
+  q, k, v = _qkv(3, 513, 513, h=1, d=16)
+  with pytest.raises(ValueError, match='at most 512 queries and keys, got Lq=513'):
     few_token_attention(q, k, v)
-  q, k, v = _qkv(3, 8, 200, h=1, d=16)
-  with pytest.raises(ValueError, match='got Lq=8, 129 keys'):
-    few_token_attention(q, k, v, kv_len=129)
-  with pytest.raises(ValueError, match=r'kv_len must be in \(0, Lk = 200\], got 0'):
+  q, k, v = _qkv(3, 8, 600, h=1, d=16)
+  with pytest.raises(ValueError, match='got Lq=8, 513 keys'):
+    few_token_attention(q, k, v, kv_len=513)
+  with pytest.raises(ValueError, match=r'kv_len must be in \(0, Lk = 600\], got 0'):
     few_token_attention(q, k, v, kv_len=0)
+  with pytest.raises(ValueError, match=r'key_mask \[B, Lk\] = \(2, 600\) expected, got \(2, 8\)'):
+    few_token_attention(q, k, v, key_mask=np.ones((2, 8), bool))
   q, k, v = _qkv(3, 128, 128, h=1, d=128)
-  with pytest.raises(ValueError, match='holds 192 KiB of padded q, k, v'):
+  with pytest.raises(ValueError, match='holds 192 KiB of padded q, k, v blocks'):
     few_token_attention(q, k, v)
   q, k, v = _qkv(3, 1, 1, h=1, d=512)
   with pytest.raises(ValueError, match='head dim at most 128, got 512'):
@@ -113,7 +152,7 @@ def test_unsupported_inputs_name_the_misfit():
     few_token_attention(q, k, v, impl='mosaic')
 
 
-def test_pallas_backend_runs_it_for_unmasked_few_tokens_only():
+def test_pallas_backend_runs_it_unmasked_or_under_a_key_mask():
   q, k, v = _qkv(4, 64, 64, h=2, d=72, dtype=jnp.bfloat16)
   text = lambda **kw: jax.jit(lambda q, k, v: attention(q, k, v, backend='pallas', **kw)).trace(
       q, k, v).lower(lowering_platforms=('cuda',)).as_text()
@@ -122,6 +161,8 @@ def test_pallas_backend_runs_it_for_unmasked_few_tokens_only():
     levels = np.arange(64) // 16
     assert 'few_token_attention' not in text(mask=ScaleCausal(levels, levels))
     assert 'few_token_attention' in text(kv_len=40)
+    assert 'few_token_attention' in text(mask=TokenMask(np.ones((2, 1, 1, 64), bool)))
+    assert 'few_token_attention' not in text(mask=TokenMask(np.ones((2, 1, 64, 64), bool)))
   with pallas_kernels.override('interpret'):
     got = attention(q, k, v, backend='pallas')
   want = attention(q, k, v, backend='xla')
@@ -129,8 +170,9 @@ def test_pallas_backend_runs_it_for_unmasked_few_tokens_only():
 
 
 def test_cudnn_backend_runs_the_kernel_only_where_the_call_is_not_differentiated():
-  """The `cudnn` backend's wrapper, around the xla backend (cuDNN needs a GPU): a sampler's call
-  lowers to the kernel, a differentiated one keeps the wrapped backend's forward and backward."""
+  """The `cudnn` backend's wrapper, around the xla backend (cuDNN needs a GPU): a sampler's
+  unmasked call of one block lowers to the kernel; a differentiated one, a masked one or a longer
+  one keeps the wrapped backend."""
   routed = attention_lib._few_tokens_on_the_kernel(attention_lib._BACKENDS['xla'])
   dense = attention_lib._BACKENDS['xla']
   q, k, v = _qkv(5, 16, 16, h=2, dtype=jnp.bfloat16)
@@ -143,6 +185,11 @@ def test_cudnn_backend_runs_the_kernel_only_where_the_call_is_not_differentiated
     assert 'few_token_attention' in text(lambda q, k, v: routed(q, k, v, None, 0.3, 8))
     levels = np.arange(16) // 4
     assert 'few_token_attention' not in text(lambda q, k, v: routed(q, k, v, ScaleCausal(levels, levels), 0.3, None))
+    keys = TokenMask(np.arange(16)[None, None, None, :] < np.array([9, 16])[:, None, None, None])
+    assert 'few_token_attention' not in text(lambda q, k, v: routed(q, k, v, keys, 0.3, None))
+    long = jax.ShapeDtypeStruct((2, 320, 2, 80), jnp.bfloat16)   # MAR's 320 tokens keep cuDNN
+    assert 'few_token_attention' not in jax.jit(lambda q, k, v: routed(q, k, v, None, 0.3, None)).trace(
+        long, long, long).lower(lowering_platforms=('cuda',)).as_text()
   with pallas_kernels.override('interpret'):
     np.testing.assert_array_equal(np.asarray(call(routed)(q, k, v), np.float32),
                                   np.asarray(few_token_attention(q, k, v, scale=0.3), np.float32))

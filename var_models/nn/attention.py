@@ -123,11 +123,24 @@ def _sparse(q, k, v, mask: Mask, scale: float, kv_len: Optional[int]):
   return pk.block_sparse_attention(q, k[:, :end], v[:, :end], layout, scale=scale)
 
 
+def _key_mask(q, k, mask: Mask):
+  """A TokenMask broadcast over heads and queries ([B | 1, 1, 1, Lk]) as `few_token_attention`'s
+  key_mask [B, Lk] bool; None for any other mask."""
+  if not isinstance(mask, TokenMask):
+    return None
+  m = mask.mask
+  if m.ndim != 4 or m.shape[1:] != (1, 1, k.shape[1]) or m.shape[0] not in (1, q.shape[0]):
+    return None
+  return jnp.broadcast_to(jnp.asarray(m)[:, 0, 0], (q.shape[0], k.shape[1]))
+
+
 def _few_token_call(q, k, v, mask: Mask, kv_len: Optional[int]) -> bool:
-  """Whether `few_token_attention` takes the call: unmasked, and of the lengths (kv_len's keys
-  where given), head dim and dtype it holds."""
+  """Whether `few_token_attention` takes the call: unmasked or under a key mask (`_key_mask`), and
+  of the lengths (kv_len's keys where given), head dim and dtype it holds."""
   import pallas_kernels as pk
-  return mask is None and not pk.few_token_attention_unsupported(q, k, v, kv_len)
+  if mask is not None and _key_mask(q, k, mask) is None:
+    return False
+  return not pk.few_token_attention_unsupported(q, k, v, kv_len)
 
 
 def _few_token_operands(q, k, v, packed: Optional[jax.Array]) -> tuple:
@@ -137,14 +150,16 @@ def _few_token_operands(q, k, v, packed: Optional[jax.Array]) -> tuple:
 
 
 def _pallas_backend(q, k, v, mask: Mask, scale: float, kv_len: Optional[int], packed: Optional[jax.Array] = None):
-  """pallas_kernels' attention: unmasked over at most `FEW_TOKENS` queries and keys (of a
-  kv_len's), one kernel holding them all (`few_token_attention`, reading `packed` in place where
-  given); else the block-sparse kernel, which skips the tiles a ScaleCausal mask or a kv_len
-  excludes. TokenMask (possibly traced, per batch) and head dims or dtypes the kernels do not take
-  go to xla."""
+  """pallas_kernels' attention: unmasked or under a key mask over at most `few_token_attention`'s
+  MAX_TOKENS queries and keys (of a kv_len's), that kernel (reading `packed` in place where given,
+  MAR's 80-wide heads and its encoder's key mask included); else the
+  block-sparse kernel, which skips the tiles a ScaleCausal mask or a kv_len excludes. Other
+  TokenMasks (possibly traced, per batch) and head dims or dtypes the kernels do not take go to
+  xla."""
   import pallas_kernels as pk
   if _few_token_call(q, k, v, mask, kv_len):
-    return pk.few_token_attention(*_few_token_operands(q, k, v, packed), scale=scale, kv_len=kv_len)
+    return pk.few_token_attention(*_few_token_operands(q, k, v, packed), scale=scale, kv_len=kv_len,
+                                  key_mask=_key_mask(q, k, mask))
   d = q.shape[-1]
   if (isinstance(mask, TokenMask) or d < 16 or d > pk.MAX_HEAD_DIM or d & (d - 1)
       or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16)):
@@ -171,15 +186,18 @@ def _undifferentiated(fast: Callable, differentiable: Callable) -> Callable:
 
 def _few_tokens_on_the_kernel(backend: Backend) -> Backend:
   """`backend`, except that an unmasked call over at most `FEW_TOKENS` queries and keys (of a
-  kv_len's), in a dtype and head dim cuDNN takes, that is not differentiated (a sampler's: E-CAR's
-  denoisers over a stage's tokens, VAR's first scales over their KV cache) runs
-  `few_token_attention`, one kernel where cuDNN's call adds a memset and ~5 us of launch gaps:
-  E-CAR-L samples 10 % faster (benchmarks/RESULTS.md). Differentiated, the call keeps `backend`'s
-  forward and backward: on the kernel with XLA's backward E-CAR-B's train step was 2.3 % slower."""
+  kv_len's: one block of the kernel), in a dtype and head dim cuDNN takes, that is not
+  differentiated (a sampler's: E-CAR's denoisers over a stage's tokens, VAR's first scales over
+  their KV cache) runs `few_token_attention`, one kernel where cuDNN's call adds a memset and ~5 us
+  of launch gaps: E-CAR-L samples 10 % faster (benchmarks/RESULTS.md). Longer calls keep cuDNN: on
+  the kernel's key loop MAR-H's LazyMAR sampler (320 tokens) ran 1.5 % slower. Differentiated, the
+  call keeps `backend`'s forward and backward: on the kernel with XLA's backward E-CAR-B's train
+  step was 2.3 % slower."""
   def run(q, k, v, mask: Mask, scale: float, kv_len: Optional[int], packed: Optional[jax.Array] = None):
     import pallas_kernels as pk
     dense = lambda q, k, v: backend(q, k, v, mask, scale, kv_len)
-    if not (_cudnn_takes(q) and _few_token_call(q, k, v, mask, kv_len)):
+    one_block = max(q.shape[1], k.shape[1] if kv_len is None else kv_len) <= pk.FEW_TOKENS
+    if not (_cudnn_takes(q) and mask is None and one_block and _few_token_call(q, k, v, mask, kv_len)):
       return dense(q, k, v)
     fast = lambda *operands: pk.few_token_attention(*operands, scale=scale, kv_len=kv_len)
     differentiable = dense if packed is None else lambda qkv: dense(*_unpacked(qkv))
