@@ -95,11 +95,11 @@ def _forward(q, k, v, key_mask, lk: int, scale: float, interpret: bool):
   d_p, bq = _padded(d), _block(lq)
 
   def spec(rows: int, slot: Optional[int], keys: bool):
-    at = (lambda i, j, t: 0) if keys else (lambda i, j, t: t)
+    """Grid (batch i, head j, query block t) -> a block of `rows`: the t-th, or for keys the first."""
+    row = lambda t: 0 if keys else t
     if slot is None:
-      return pl.BlockSpec((pl.squeezed, rows, pl.squeezed, d_p), lambda i, j, t: (i, at(i, j, t), j, 0))
-    return pl.BlockSpec((pl.squeezed, rows, pl.squeezed, pl.squeezed, d_p),
-                        lambda i, j, t: (i, at(i, j, t), slot, j, 0))
+      return pl.BlockSpec((pl.squeezed, rows, pl.squeezed, d_p), lambda i, j, t: (i, row(t), j, 0))
+    return pl.BlockSpec((pl.squeezed, rows, pl.squeezed, pl.squeezed, d_p), lambda i, j, t: (i, row(t), slot, j, 0))
 
   operands = _operands(q, k, v)
   in_specs = [spec(bq, operands[0][1], False)] + [spec(_padded(lk), slot, True) for _, slot in operands[1:]]
