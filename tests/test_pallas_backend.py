@@ -31,12 +31,15 @@ def test_pallas_backend_equals_xla(mask):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
-def test_pallas_backend_unmasked_over_more_than_few_tokens_runs_the_block_sparse_kernel():
+def test_pallas_backend_unmasked_runs_the_few_token_kernel_up_to_its_limit_then_the_block_sparse_kernel():
+  lowered = lambda *a: jax.jit(lambda q, k, v: attention(q, k, v, backend='pallas')).trace(*a).lower(
+      lowering_platforms=('cuda',)).as_text()
+  longer = jax.ShapeDtypeStruct((2, 520, 2, 32), jnp.float32)   # past few_token_attention's 512 tokens
   q, k, v = _qkv(6, lq=150, lk=150)
   with pallas_kernels.override('triton'):
-    text = jax.jit(lambda q, k, v: attention(q, k, v, backend='pallas')).trace(
-        q, k, v).lower(lowering_platforms=('cuda',)).as_text()
-  assert 'block_sparse_attention_fwd' in text and 'few_token_attention' not in text
+    text, long_text = lowered(q, k, v), lowered(longer, longer, longer)
+  assert 'few_token_attention' in text and 'block_sparse_attention_fwd' not in text
+  assert 'block_sparse_attention_fwd' in long_text and 'few_token_attention' not in long_text
   got, want = _both(q, k, v)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
