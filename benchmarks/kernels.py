@@ -36,6 +36,10 @@
     kernel; on Hopper its Mosaic GPU kernel too, with --layer_dense_mosaic_configs' tilings) against
     XLA's GEMM of the copied slice and of separate weights, against the floor (the weights read
     once, or the FLOPs at the peak where those take longer).
+(h) Attention over a few hundred tokens at MAR-H's trunk shape (B 2: the CFG halves, 320 tokens,
+    16 heads of 80), unmasked (the decoder) and under a per-sample key mask (the encoder), as a chain
+    of --few_token_chain calls in one program (a trunk's 40): `pk.few_token_attention` at each of
+    --few_token_configs' tilings against cuDNN's call (a memset and the attention kernel), per call.
 
 Every kernel is first checked against a float32 XLA computation on the same
 bf16 inputs (relative L2 error). Times: medians over repetitions of many
@@ -651,6 +655,49 @@ def bench_layer_dense(args, ceil):
         ['shape', 'variant', 'median us', 'fraction of floor', 'rel. L2 error', 'compile s'], rows)
 
 
+# -------------------------------------------------------------------------- (h)
+FEW_TOKEN_CONFIG = r'(\d+)x(\d+)w(\d+)s(\d+)'   # --few_token_configs' entries: block_q x block_k, warps, stages
+
+
+def _chained(attend, n: int):
+  """(q, k, v, mask) -> q after n calls q <- q + attend(q, k, v, mask): each call waits on the last."""
+  def run(q, k, v, mask):
+    for _ in range(n):
+      q = q + attend(q, k, v, mask)
+    return q
+  return run
+
+
+def bench_few_token(args, ceil):
+  del ceil
+  b, l, h, d = (1, 160, 2, 80) if args.smoke else (2, 320, 16, 80)
+  n = 2 if args.smoke else args.few_token_chain
+  impl = 'interpret' if args.smoke else 'triton'
+  sets = _qkv_sets(b, l, l, h, d, n_sets=2)
+  seen = np.ones((b, l), bool)
+  seen[:, : l // 5] = False   # the encoder's masked-out positions: a fifth of the keys hidden
+  masks = {'unmasked': None, 'key mask': jnp.asarray(seen)}
+
+  def cudnn(q, k, v, mask):
+    dense = None if mask is None else jnp.broadcast_to(mask[:, None, None, :], (b, 1, l, l))
+    return jax.nn.dot_product_attention(q, k, v, mask=dense, implementation='xla' if args.smoke else 'cudnn')
+
+  variants = [('cuDNN', cudnn)] + [
+      (f'kernel {cfg}', lambda q, k, v, mask, t=pk.FewTokenTiling(*nums):
+       pk.few_token_attention(q, k, v, key_mask=mask, tiling=t, impl=impl))
+      for cfg, nums in config_numbers(FEW_TOKEN_CONFIG, args.few_token_configs, '--few_token_configs')]
+  rows = []
+  for mname, mask in masks.items():
+    q, k, v = sets[0]
+    want = _xla_f32(q, k, v, None if mask is None else mask[:, None, None, :])
+    for vname, attend in variants:
+      err = rel_err(jax.jit(attend)(q, k, v, mask), want)
+      compile_s, ms = timeit(_chained(attend, n), [s + (mask,) for s in sets], calls=2 if args.smoke else 20)
+      rows.append((mname, vname, ms * 1e3 / n, err, compile_s))
+  table(f'(h) attention at MAR-H\'s trunk shape (B {b}, L {l}, H {h}, D {d}, bf16), {n} chained calls a program',
+        ['keys', 'variant', 'us a call', 'rel. L2 error', 'compile s'], rows)
+
+
 # -------------------------------------------------------------------------- (f)
 def bench_top_k(args, ceil):
   impl = 'interpret' if args.smoke else 'triton'
@@ -675,7 +722,7 @@ def bench_top_k(args, ceil):
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--only', default='a,b,c,d,e,f,g')
+  p.add_argument('--only', default='a,b,c,d,e,f,g,h')
   p.add_argument('--smoke', action='store_true', help='tiny shapes, interpret mode (CPU)')
   p.add_argument('--layer_dense_configs', default='',
                  help="extra tilings for (g), e.g. '128x64s4w4p3' (block_n x block_k, K splits, warps, stages)")
@@ -690,10 +737,14 @@ def main():
   p.add_argument('--layer_dense_unroll', type=int, default=1,
                  help="layers per iteration of (g)'s loop: at a few hundred rows and less an iteration of "
                  'one layer costs the same ~14 us on the H200 whatever it runs, so compare kernels there at 4-5')
+  p.add_argument('--few_token_configs', default='64x64w4s1,64x128w4s1,128x64w8s1,128x128w8s1,64x64w4s2,32x64w4s1',
+                 help="tilings of (h)'s few-token kernel: block_q x block_k, warps, stages")
+  p.add_argument('--few_token_chain', type=int, default=40, help="calls chained in one program in (h)")
   p.add_argument('--bwd_configs', default='',
                  help="extra backward variants for (b), e.g. '32x64w4,64x128w8'")
   args = compilation_cache.parse_args(p)
-  for pattern, flag in ((LAYER_DENSE_CONFIG, 'layer_dense_configs'), (MOSAIC_CONFIG, 'layer_dense_mosaic_configs')):
+  for pattern, flag in ((LAYER_DENSE_CONFIG, 'layer_dense_configs'), (MOSAIC_CONFIG, 'layer_dense_mosaic_configs'),
+                        (FEW_TOKEN_CONFIG, 'few_token_configs')):
     try:
       config_numbers(pattern, getattr(args, flag), f'--{flag}')
     except ValueError as e:
@@ -703,7 +754,7 @@ def main():
   print(f'measured ceilings: copy {ceil["copy_gbs"]:.0f} GB/s (read + write), '
         f'bf16 matmul {ceil["tflops"]:.0f} TFLOP/s')
   parts = dict(a=bench_csla, b=bench_training, c=bench_gather, d=bench_gathered,
-               e=bench_column_sums, f=bench_top_k, g=bench_layer_dense)
+               e=bench_column_sums, f=bench_top_k, g=bench_layer_dense, h=bench_few_token)
   for part in args.only.split(','):
     try:
       parts[part](args, ceil)

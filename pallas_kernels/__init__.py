@@ -13,6 +13,7 @@ from pallas_kernels.dense_gelu import dense_gelu
 from pallas_kernels.dense_gelu import pays as dense_gelu_pays
 from pallas_kernels.dispatch import IMPLS, override, resolve
 from pallas_kernels.few_token_attention import ONE_BLOCK as FEW_TOKENS
+from pallas_kernels.few_token_attention import Tiling as FewTokenTiling
 from pallas_kernels.few_token_attention import few_token_attention
 from pallas_kernels.few_token_attention import unsupported as few_token_attention_unsupported
 from pallas_kernels.gathered_attention import gathered_attention
@@ -28,7 +29,7 @@ from pallas_kernels.token_gather import gather_rows, token_scatter, topk_gather
 
 __all__ = [
     'group_column_sums', 'dense_gelu', 'dense_gelu_pays', 'IMPLS', 'override', 'resolve', 'FEW_TOKENS',
-    'few_token_attention', 'few_token_attention_unsupported', 'gathered_attention',
+    'FewTokenTiling', 'few_token_attention', 'few_token_attention_unsupported', 'gathered_attention',
     'layer_dense', 'BlockLayout', 'default_block', 'dense_layout', 'layout_density',
     'layout_from_mask', 'layout_from_rows', 'level_causal_layout', 'scale_causal_layout',
     'schedule_levels', 'whole_tile_layout',

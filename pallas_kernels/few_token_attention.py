@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,17 @@ from pallas_kernels.sparse_attention import DTYPES, LOG2E, MAX_HEAD_DIM, _pv, _q
 
 MAX_TOKENS = 512   # queries or keys a call may hold (MAR's 320)
 ONE_BLOCK = 128    # up to this many queries (keys), one block holds them all: logits [Lq, Lk] in registers
-BLOCK = 64         # else the queries a program holds, and the keys of a step of its loop
+
+
+class Tiling(NamedTuple):
+  """Past ONE_BLOCK tokens: the queries a program holds and the keys a step of its loop reads
+  (powers of two, at least 16), and Triton's warps and pipeline stages a program."""
+  block_q: int = 64
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 1
+
+
 # One program's padded q block and k, v blocks: Triton stages a dot's operands in shared memory (an
 # A100 has 164 KB an SM, a Hopper 228), so a call that holds more runs elsewhere.
 MAX_BYTES = 96 * 1024
@@ -41,18 +51,18 @@ def _padded(n: int) -> int:
   return max(16, pl.next_power_of_2(n))
 
 
-def _block(n: int) -> int:
-  """Rows of a q (k, v) block for n queries (keys)."""
-  return _padded(n) if n <= ONE_BLOCK else BLOCK
+def _block(n: int, rows: int) -> int:
+  """Rows of a q (k, v) block for n queries (keys): all of them up to ONE_BLOCK, else `rows`."""
+  return _padded(n) if n <= ONE_BLOCK else rows
 
 
-def _kernel(q_ref, k_ref, v_ref, *refs, lq: int, lk: int, d: int, scale: float):
+def _kernel(q_ref, k_ref, v_ref, *refs, lq: int, lk: int, d: int, scale: float, block_k: int):
   """One (batch, head, query block): a q block [Bq, D_p] of a [B, L, H, D] array and the k, v
   slabs [Lk_p, D_p] (with a key mask, its [Lk_p] row: refs = (mask, o)), read where row < Lq (Lk)
   and column < D, zeros elsewhere -> o [Bq, D_p], stored likewise."""
   *mask_ref, o_ref = refs
   bq, d_p = q_ref.shape
-  bk = _block(lk)
+  bk = _block(lk, block_k)
   rows_left = lq - pl.program_id(2) * bq
   within = lambda rows, n: (jnp.arange(rows)[:, None] < n) & (jnp.arange(d_p)[None, :] < d)
   q = plgpu.load(q_ref, mask=within(bq, rows_left), other=0.0)
@@ -87,12 +97,12 @@ def _split(q, k, v) -> tuple:
   return tuple(a if s is None else a[:, :, s] for a, s in _operands(q, k, v))
 
 
-@dispatch.per_shape(4, 5, 6)
-def _forward(q, k, v, key_mask, lk: int, scale: float, interpret: bool):
+@dispatch.per_shape(4, 5, 6, 7)
+def _forward(q, k, v, key_mask, lk: int, scale: float, tiling: Tiling, interpret: bool):
   """Keys [0, lk) of k, v (those key_mask [B, Lk] int32 keeps, where given); the rows after them
   (a KV cache's spare rows) are never read."""
   (b, lq), (h, d) = q.shape[:2], q.shape[-2:]
-  d_p, bq = _padded(d), _block(lq)
+  d_p, bq = _padded(d), _block(lq, tiling.block_q)
 
   def spec(rows: int, slot: Optional[int], keys: bool):
     """Grid (batch i, head j, query block t) -> a block of `rows`: the t-th, or for keys the first."""
@@ -108,12 +118,12 @@ def _forward(q, k, v, key_mask, lk: int, scale: float, interpret: bool):
     in_specs.append(pl.BlockSpec((pl.squeezed, _padded(lk)), lambda i, j, t: (i, 0)))
     arrays.append(key_mask)
   return pl.pallas_call(
-      functools.partial(_kernel, lq=lq, lk=lk, d=d, scale=scale),
+      functools.partial(_kernel, lq=lq, lk=lk, d=d, scale=scale, block_k=tiling.block_k),
       grid=(b, h, pl.cdiv(lq, bq)),
       in_specs=in_specs,
       out_specs=spec(bq, None, False),
       out_shape=jax.ShapeDtypeStruct((b, lq, h, d), q.dtype),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
       interpret=interpret,
       name='few_token_attention',
   )(*arrays)
@@ -127,17 +137,17 @@ def _reference(q, k, v, key_mask, lk: int, scale: float):
       q[None], k[None], v[None], jnp.broadcast_to(m, (1, q.shape[0], lk)), scale)[0][0])(q, k, v, seen)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention(q, k, v, key_mask, lk, scale, interpret):
-  return _forward(q, k, v, key_mask, lk, scale, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention(q, k, v, key_mask, lk, scale, tiling, interpret):
+  return _forward(q, k, v, key_mask, lk, scale, tiling, interpret)
 
 
-def _attention_fwd(q, k, v, key_mask, lk, scale, interpret):
-  return _forward(q, k, v, key_mask, lk, scale, interpret), (q, k, v, key_mask)
+def _attention_fwd(q, k, v, key_mask, lk, scale, tiling, interpret):
+  return _forward(q, k, v, key_mask, lk, scale, tiling, interpret), (q, k, v, key_mask)
 
 
-def _attention_bwd(lk, scale, interpret, residuals, do):
-  del interpret
+def _attention_bwd(lk, scale, tiling, interpret, residuals, do):
+  del tiling, interpret
   q, k, v, key_mask = residuals
   grads = jax.vjp(lambda q, k, v: _reference(q, k, v, key_mask, lk, scale), q, k, v)[1](do)
   return (*grads, None)
@@ -146,7 +156,7 @@ def _attention_bwd(lk, scale, interpret, residuals, do):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def unsupported(q, k=None, v=None, kv_len: Optional[int] = None, key_mask=None) -> str:
+def unsupported(q, k=None, v=None, kv_len: Optional[int] = None, key_mask=None, tiling: Tiling = Tiling()) -> str:
   """Why few_token_attention does not take these inputs ('' when it does)."""
   if k is None and v is None:
     if q.ndim != 5 or q.shape[2] != 3:
@@ -169,7 +179,11 @@ def unsupported(q, k=None, v=None, kv_len: Optional[int] = None, key_mask=None) 
     return f'head dim at most {MAX_HEAD_DIM}, got {q.shape[3]}'
   if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
     return f'q, k, v of one dtype among {[jnp.dtype(t).name for t in DTYPES]}, got {q.dtype}, {k.dtype}, {v.dtype}'
-  held = (_block(q.shape[1]) + 2 * _block(lk)) * _padded(q.shape[3]) * q.dtype.itemsize
+  for name, rows in zip(('block_q', 'block_k'), tiling[:2]):
+    if rows < 16 or rows & (rows - 1):
+      return f'tiling.{name} must be a power of two of at least 16, got {rows}'
+  rows = _block(q.shape[1], tiling.block_q) + 2 * _block(lk, tiling.block_k)
+  held = rows * _padded(q.shape[3]) * q.dtype.itemsize
   if held > MAX_BYTES:
     return (f'a program holds {held // 1024} KiB of padded q, k, v blocks (Lq={q.shape[1]}, {lk} keys, '
             f'D={q.shape[3]}, {q.dtype}), at most {MAX_BYTES // 1024}')
@@ -177,7 +191,7 @@ def unsupported(q, k=None, v=None, kv_len: Optional[int] = None, key_mask=None) 
 
 
 def few_token_attention(q, k=None, v=None, *, scale: Optional[float] = None, kv_len: Optional[int] = None,
-                        key_mask=None, impl: str = 'auto'):
+                        key_mask=None, tiling: Optional[Tiling] = None, impl: str = 'auto'):
   """Softmax attention, every query over every key: q [B, Lq, H, D], k and v [B, Lk, H, D] ->
   [B, Lq, H, D] in q's dtype; logits and softmax in float32, scale default 1/sqrt(D). Only the
   first `kv_len` keys (default Lk) count, a KV cache's buffer read in place, and of them only those
@@ -185,8 +199,10 @@ def few_token_attention(q, k=None, v=None, *, scale: Optional[float] = None, kv_
   Lq and kv_len at most MAX_TOKENS, D at most MAX_HEAD_DIM. With k and v None, q is a packed qkv
   [B, L, 3, H, D] (a fused qkv projection's output), its three parts read in place. `impl`: see
   `pallas_kernels.dispatch` (no Mosaic GPU kernel: 'auto' runs the Triton lowering on every NVIDIA
-  GPU)."""
-  why = unsupported(q, k, v, kv_len, key_mask)
+  GPU). `tiling` (default `Tiling()`) sets the blocks, warps and stages of calls over more than
+  ONE_BLOCK tokens."""
+  tiling = Tiling() if tiling is None else Tiling(*tiling)
+  why = unsupported(q, k, v, kv_len, key_mask, tiling)
   if why:
     raise ValueError(f'few_token_attention: {why}')
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -197,4 +213,4 @@ def few_token_attention(q, k=None, v=None, *, scale: Optional[float] = None, kv_
   key_mask = None if key_mask is None else jnp.asarray(key_mask).astype(jnp.int32)
   if impl == 'reference':
     return _reference(q, k, v, key_mask, lk, scale)
-  return _attention(q, k, v, key_mask, lk, scale, impl == 'interpret')
+  return _attention(q, k, v, key_mask, lk, scale, tiling, impl == 'interpret')
