@@ -36,9 +36,10 @@
     kernel; on Hopper its Mosaic GPU kernel too, with --layer_dense_mosaic_configs' tilings) against
     XLA's GEMM of the copied slice and of separate weights, against the floor (the weights read
     once, or the FLOPs at the peak where those take longer).
-(h) Attention over a few hundred tokens at MAR-H's trunk shape (B 2: the CFG halves, 320 tokens,
-    16 heads of 80), unmasked (the decoder) and under a per-sample key mask (the encoder), as a chain
-    of --few_token_chain calls in one program (a trunk's 40): `pk.few_token_attention` at each of
+(h) Attention over a few hundred tokens at MAR-H's trunk shapes (--few_token_shapes: the
+    refreshes' both CFG halves over 320 tokens, a cached iteration's decoder and encoder; 16 heads
+    of 80), unmasked (the decoder) and under a per-sample key mask (the encoder), as a chain of
+    --few_token_chain calls in one program (a trunk's 40): `pk.few_token_attention` at each of
     --few_token_configs' tilings against cuDNN's call (a memset and the attention kernel), per call.
 
 Every kernel is first checked against a float32 XLA computation on the same
@@ -657,6 +658,7 @@ def bench_layer_dense(args, ceil):
 
 # -------------------------------------------------------------------------- (h)
 FEW_TOKEN_CONFIG = r'(\d+)x(\d+)w(\d+)s(\d+)'   # --few_token_configs' entries: block_q x block_k, warps, stages
+FEW_TOKEN_SHAPE = r'(\d+)x(\d+)x(\d+)'          # --few_token_shapes' entries: B x Lq x Lk
 
 
 def _chained(attend, n: int):
@@ -668,34 +670,39 @@ def _chained(attend, n: int):
   return run
 
 
-def bench_few_token(args, ceil):
-  del ceil
-  b, l, h, d = (1, 160, 2, 80) if args.smoke else (2, 320, 16, 80)
-  n = 2 if args.smoke else args.few_token_chain
-  impl = 'interpret' if args.smoke else 'triton'
-  sets = _qkv_sets(b, l, l, h, d, n_sets=2)
-  seen = np.ones((b, l), bool)
-  seen[:, : l // 5] = False   # the encoder's masked-out positions: a fifth of the keys hidden
-  masks = {'unmasked': None, 'key mask': jnp.asarray(seen)}
-
+def _few_token_variants(args, impl: str):
+  """(name, attend(q, k, v, key mask [B, Lk] | None)): cuDNN's call, then the kernel at each tiling."""
   def cudnn(q, k, v, mask):
-    dense = None if mask is None else jnp.broadcast_to(mask[:, None, None, :], (b, 1, l, l))
+    dense = None if mask is None else jnp.broadcast_to(mask[:, None, None, :], (q.shape[0], 1, q.shape[1], k.shape[1]))
     return jax.nn.dot_product_attention(q, k, v, mask=dense, implementation='xla' if args.smoke else 'cudnn')
 
-  variants = [('cuDNN', cudnn)] + [
-      (f'kernel {cfg}', lambda q, k, v, mask, t=pk.FewTokenTiling(*nums):
-       pk.few_token_attention(q, k, v, key_mask=mask, tiling=t, impl=impl))
-      for cfg, nums in config_numbers(FEW_TOKEN_CONFIG, args.few_token_configs, '--few_token_configs')]
+  kernel = lambda t: lambda q, k, v, mask: pk.few_token_attention(q, k, v, key_mask=mask, tiling=t, impl=impl)
+  return [('cuDNN', cudnn)] + [(f'kernel {cfg}', kernel(pk.FewTokenTiling(*nums)))
+                               for cfg, nums in config_numbers(FEW_TOKEN_CONFIG, args.few_token_configs,
+                                                               '--few_token_configs')]
+
+
+def bench_few_token(args, ceil):
+  del ceil
+  h, d = (2, 80) if args.smoke else (16, 80)
+  n = 2 if args.smoke else args.few_token_chain
+  shapes = [(1, 71, 160)] if args.smoke else [nums for _, nums in config_numbers(
+      FEW_TOKEN_SHAPE, args.few_token_shapes, '--few_token_shapes')]
+  variants = _few_token_variants(args, 'interpret' if args.smoke else 'triton')
   rows = []
-  for mname, mask in masks.items():
-    q, k, v = sets[0]
-    want = _xla_f32(q, k, v, None if mask is None else mask[:, None, None, :])
-    for vname, attend in variants:
-      err = rel_err(jax.jit(attend)(q, k, v, mask), want)
-      compile_s, ms = timeit(_chained(attend, n), [s + (mask,) for s in sets], calls=2 if args.smoke else 20)
-      rows.append((mname, vname, ms * 1e3 / n, err, compile_s))
-  table(f'(h) attention at MAR-H\'s trunk shape (B {b}, L {l}, H {h}, D {d}, bf16), {n} chained calls a program',
-        ['keys', 'variant', 'us a call', 'rel. L2 error', 'compile s'], rows)
+  for b, lq, lk in shapes:
+    sets = _qkv_sets(b, lq, lk, h, d, n_sets=2)
+    seen = np.ones((b, lk), bool)
+    seen[:, : lk // 5] = False   # the encoder's masked-out positions: a fifth of the keys hidden
+    for mname, mask in (('unmasked', None), ('key mask', jnp.asarray(seen))):
+      q, k, v = sets[0]
+      want = _xla_f32(q, k, v, None if mask is None else mask[:, None, None, :])
+      for vname, attend in variants:
+        err = rel_err(jax.jit(attend)(q, k, v, mask), want)
+        compile_s, ms = timeit(_chained(attend, n), [s + (mask,) for s in sets], calls=2 if args.smoke else 20)
+        rows.append((f'{b}x{lq}x{lk}', mname, vname, ms * 1e3 / n, err, compile_s))
+  table(f'(h) attention over a few hundred tokens (H {h}, D {d}, bf16), {n} chained calls a program',
+        ['B x Lq x Lk', 'keys', 'variant', 'us a call', 'rel. L2 error', 'compile s'], rows)
 
 
 # -------------------------------------------------------------------------- (f)
@@ -739,12 +746,16 @@ def main():
                  'one layer costs the same ~14 us on the H200 whatever it runs, so compare kernels there at 4-5')
   p.add_argument('--few_token_configs', default='64x64w4s1,64x128w4s1,128x64w8s1,128x128w8s1,64x64w4s2,32x64w4s1',
                  help="tilings of (h)'s few-token kernel: block_q x block_k, warps, stages")
+  p.add_argument('--few_token_shapes', default='2x320x320,1x320x320,1x71x320',
+                 help="(h)'s calls, B x Lq x Lk: MAR-H's refreshes (both CFG halves), a cached iteration's "
+                 'decoder and encoder at batch 1')
   p.add_argument('--few_token_chain', type=int, default=40, help="calls chained in one program in (h)")
   p.add_argument('--bwd_configs', default='',
                  help="extra backward variants for (b), e.g. '32x64w4,64x128w8'")
   args = compilation_cache.parse_args(p)
   for pattern, flag in ((LAYER_DENSE_CONFIG, 'layer_dense_configs'), (MOSAIC_CONFIG, 'layer_dense_mosaic_configs'),
-                        (FEW_TOKEN_CONFIG, 'few_token_configs')):
+                        (FEW_TOKEN_CONFIG, 'few_token_configs'),
+                        (FEW_TOKEN_SHAPE, 'few_token_shapes')):
     try:
       config_numbers(pattern, getattr(args, flag), f'--{flag}')
     except ValueError as e:

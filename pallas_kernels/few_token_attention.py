@@ -45,24 +45,41 @@ class Tiling(NamedTuple):
 # One program's padded q block and k, v blocks: Triton stages a dot's operands in shared memory (an
 # A100 has 164 KB an SM, a Hopper 228), so a call that holds more runs elsewhere.
 MAX_BYTES = 96 * 1024
+# Programs a grid past one block should hold, about half an A100's (108 SMs) or H100's (132) SMs:
+# at MAR-H's shapes on an H200, 71 queries over 320 keys in 16 heads take 8.1 us a call in blocks
+# of 16 (80 programs) against 13.1 in blocks of 64 (32), and 320 queries 10.4 us in blocks of 64
+# (80) against 13.0 in blocks of 32 (benchmarks/RESULTS.md, "The few-token kernel's tiling").
+MIN_PROGRAMS = 64
 
 
 def _padded(n: int) -> int:
   return max(16, pl.next_power_of_2(n))
 
 
-def _block(n: int, rows: int) -> int:
-  """Rows of a q (k, v) block for n queries (keys): all of them up to ONE_BLOCK, else `rows`."""
-  return _padded(n) if n <= ONE_BLOCK else rows
+def _k_block(lk: int, tiling: Tiling) -> int:
+  """Rows of a k, v block (a step of the key loop): all lk keys up to ONE_BLOCK, else tiling's."""
+  return _padded(lk) if lk <= ONE_BLOCK else tiling.block_k
 
 
-def _kernel(q_ref, k_ref, v_ref, *refs, lq: int, lk: int, d: int, scale: float, block_k: int):
+def _q_block(b: int, lq: int, lk: int, h: int, tiling: Tiling) -> int:
+  """Rows of a q block (a program's queries): all lq in a call of one block (Lq and Lk at most
+  ONE_BLOCK); else tiling's, halved (down to 16) while the grid holds fewer than MIN_PROGRAMS
+  programs: a few queries over many keys (LazyMAR's cached encoder at batch 1, 71 over 320 in
+  16 heads) spread over programs rather than one program a head."""
+  if max(lq, lk) <= ONE_BLOCK:
+    return _padded(lq)
+  rows = min(_padded(lq), tiling.block_q)
+  while rows > 16 and b * h * pl.cdiv(lq, rows) < MIN_PROGRAMS:
+    rows //= 2
+  return rows
+
+
+def _kernel(q_ref, k_ref, v_ref, *refs, lq: int, lk: int, d: int, scale: float, bk: int):
   """One (batch, head, query block): a q block [Bq, D_p] of a [B, L, H, D] array and the k, v
   slabs [Lk_p, D_p] (with a key mask, its [Lk_p] row: refs = (mask, o)), read where row < Lq (Lk)
   and column < D, zeros elsewhere -> o [Bq, D_p], stored likewise."""
   *mask_ref, o_ref = refs
   bq, d_p = q_ref.shape
-  bk = _block(lk, block_k)
   rows_left = lq - pl.program_id(2) * bq
   within = lambda rows, n: (jnp.arange(rows)[:, None] < n) & (jnp.arange(d_p)[None, :] < d)
   q = plgpu.load(q_ref, mask=within(bq, rows_left), other=0.0)
@@ -102,7 +119,7 @@ def _forward(q, k, v, key_mask, lk: int, scale: float, tiling: Tiling, interpret
   """Keys [0, lk) of k, v (those key_mask [B, Lk] int32 keeps, where given); the rows after them
   (a KV cache's spare rows) are never read."""
   (b, lq), (h, d) = q.shape[:2], q.shape[-2:]
-  d_p, bq = _padded(d), _block(lq, tiling.block_q)
+  d_p, bq = _padded(d), _q_block(b, lq, lk, h, tiling)
 
   def spec(rows: int, slot: Optional[int], keys: bool):
     """Grid (batch i, head j, query block t) -> a block of `rows`: the t-th, or for keys the first."""
@@ -118,7 +135,7 @@ def _forward(q, k, v, key_mask, lk: int, scale: float, tiling: Tiling, interpret
     in_specs.append(pl.BlockSpec((pl.squeezed, _padded(lk)), lambda i, j, t: (i, 0)))
     arrays.append(key_mask)
   return pl.pallas_call(
-      functools.partial(_kernel, lq=lq, lk=lk, d=d, scale=scale, block_k=tiling.block_k),
+      functools.partial(_kernel, lq=lq, lk=lk, d=d, scale=scale, bk=_k_block(lk, tiling)),
       grid=(b, h, pl.cdiv(lq, bq)),
       in_specs=in_specs,
       out_specs=spec(bq, None, False),
@@ -182,7 +199,7 @@ def unsupported(q, k=None, v=None, kv_len: Optional[int] = None, key_mask=None, 
   for name, rows in zip(('block_q', 'block_k'), tiling[:2]):
     if rows < 16 or rows & (rows - 1):
       return f'tiling.{name} must be a power of two of at least 16, got {rows}'
-  rows = _block(q.shape[1], tiling.block_q) + 2 * _block(lk, tiling.block_k)
+  rows = _q_block(q.shape[0], q.shape[1], lk, q.shape[-2], tiling) + 2 * _k_block(lk, tiling)
   held = rows * _padded(q.shape[3]) * q.dtype.itemsize
   if held > MAX_BYTES:
     return (f'a program holds {held // 1024} KiB of padded q, k, v blocks (Lq={q.shape[1]}, {lk} keys, '

@@ -33,7 +33,7 @@ def test_kernel_matches_the_reference(lq, lk, d):
   np.testing.assert_allclose(np.asarray(got), np.asarray(_want(q, k, v, 0.3)), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize('lq,lk,d', [(320, 320, 80), (300, 200, 80), (129, 130, 32), (64, 320, 80)])
+@pytest.mark.parametrize('lq,lk,d', [(320, 320, 80), (300, 200, 80), (129, 130, 32), (64, 320, 80), (71, 320, 80)])
 def test_calls_over_more_than_one_block_loop_over_key_blocks_with_the_references_values(lq, lk, d):
   """Past ONE_BLOCK tokens a program holds a block of queries and loops over blocks of keys (MAR's
   320 tokens of 80-wide heads); partial last blocks on both axes."""
@@ -171,31 +171,41 @@ def test_pallas_backend_runs_it_unmasked_or_under_a_key_mask():
 
 def test_cudnn_backend_runs_the_kernel_only_where_the_call_is_not_differentiated():
   """The `cudnn` backend's wrapper, around the xla backend (cuDNN needs a GPU): a sampler's
-  unmasked call of one block lowers to the kernel; a differentiated one, a masked one or a longer
-  one keeps the wrapped backend."""
+  unmasked or key-masked call of one block, or of MAR's 320 tokens without a KV cache, lowers to
+  the kernel; a differentiated one, a scale-causal one or one past one block over a KV cache
+  (VAR's later scales) keeps the wrapped backend."""
   routed = attention_lib._few_tokens_on_the_kernel(attention_lib._BACKENDS['xla'])
   dense = attention_lib._BACKENDS['xla']
   q, k, v = _qkv(5, 16, 16, h=2, dtype=jnp.bfloat16)
   call = lambda backend: lambda q, k, v: backend(q, k, v, None, 0.3, None)
   loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v).astype(jnp.float32)))
-  text = lambda f: jax.jit(f).trace(q, k, v).lower(lowering_platforms=('cuda',)).as_text()
+  text = lambda f, *a: jax.jit(f).trace(*(a or (q, k, v))).lower(lowering_platforms=('cuda',)).as_text()
+  keys = TokenMask(np.arange(16)[None, None, None, :] < np.array([9, 16])[:, None, None, None])
   with pallas_kernels.override('triton'):
     assert 'few_token_attention' in text(call(routed))
     assert 'few_token_attention' not in text(jax.grad(loss(call(routed)), argnums=(0, 1, 2)))
     assert 'few_token_attention' in text(lambda q, k, v: routed(q, k, v, None, 0.3, 8))
     levels = np.arange(16) // 4
     assert 'few_token_attention' not in text(lambda q, k, v: routed(q, k, v, ScaleCausal(levels, levels), 0.3, None))
-    keys = TokenMask(np.arange(16)[None, None, None, :] < np.array([9, 16])[:, None, None, None])
-    assert 'few_token_attention' not in text(lambda q, k, v: routed(q, k, v, keys, 0.3, None))
-    long = jax.ShapeDtypeStruct((2, 320, 2, 80), jnp.bfloat16)   # MAR's 320 tokens keep cuDNN
-    assert 'few_token_attention' not in jax.jit(lambda q, k, v: routed(q, k, v, None, 0.3, None)).trace(
-        long, long, long).lower(lowering_platforms=('cuda',)).as_text()
+    assert 'few_token_attention' in text(lambda q, k, v: routed(q, k, v, keys, 0.3, None))
+    long = jax.ShapeDtypeStruct((2, 320, 2, 80), jnp.bfloat16)   # MAR's 320 tokens
+    assert 'few_token_attention' in text(lambda q, k, v: routed(q, k, v, None, 0.3, None), long, long, long)
+    few, cache = jax.ShapeDtypeStruct((2, 64, 2, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2, 200, 2, 64), jnp.bfloat16)
+    assert 'few_token_attention' not in text(lambda q, k, v: routed(q, k, v, None, 0.3, 155), few, cache, cache)
+  masked = jax.jit(lambda q, k, v, m: routed(q, k, v, TokenMask(m), 0.3, None))
+  masked_loss = lambda backend: lambda q, k, v, m: jnp.sum(jnp.sin(
+      backend(q, k, v, TokenMask(m), 0.3, None).astype(jnp.float32)))
   with pallas_kernels.override('interpret'):
     np.testing.assert_array_equal(np.asarray(call(routed)(q, k, v), np.float32),
                                   np.asarray(few_token_attention(q, k, v, scale=0.3), np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(masked(q, k, v, keys.mask), np.float32),
+        np.asarray(few_token_attention(q, k, v, scale=0.3, key_mask=keys.mask[:, 0, 0]), np.float32))
     got = jax.grad(loss(call(routed)), argnums=(0, 1, 2))(q, k, v)
+    got_masked = jax.jit(jax.grad(masked_loss(routed), argnums=(0, 1, 2)))(q, k, v, keys.mask)
   want = jax.grad(loss(call(dense)), argnums=(0, 1, 2))(q, k, v)
-  for g, w in zip(got, want):
+  want_masked = jax.grad(masked_loss(dense), argnums=(0, 1, 2))(q, k, v, keys.mask)
+  for g, w in zip(got + got_masked, want + want_masked):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 

@@ -185,21 +185,24 @@ def _undifferentiated(fast: Callable, differentiable: Callable) -> Callable:
 
 
 def _few_tokens_on_the_kernel(backend: Backend) -> Backend:
-  """`backend`, except that an unmasked call over at most `FEW_TOKENS` queries and keys (of a
-  kv_len's: one block of the kernel), in a dtype and head dim cuDNN takes, that is not
-  differentiated (a sampler's: E-CAR's denoisers over a stage's tokens, VAR's first scales over
-  their KV cache) runs `few_token_attention`, one kernel where cuDNN's call adds a memset and ~5 us
-  of launch gaps: E-CAR-L samples 10 % faster (benchmarks/RESULTS.md). Longer calls keep cuDNN: on
-  the kernel's key loop MAR-H's LazyMAR sampler (320 tokens) ran 1.5 % slower. Differentiated, the
-  call keeps `backend`'s forward and backward: on the kernel with XLA's backward E-CAR-B's train
-  step was 2.3 % slower."""
+  """`backend`, except that a call `few_token_attention` takes (unmasked or under a key mask, at
+  most its MAX_TOKENS queries and keys), in a dtype and head dim cuDNN takes, that is not
+  differentiated (a sampler's) and either is one block of the kernel (at most `FEW_TOKENS`
+  queries and keys, of a kv_len's) or reads no KV cache runs the kernel, where cuDNN's call adds a
+  memset and ~5 us of launch gaps: E-CAR's denoisers over a stage's tokens (E-CAR-L samples 14 %
+  faster), VAR's first scales over their KV cache, MAR's encoder and decoder over 320 tokens
+  (MAR-H's LazyMAR sampler 1.5 % faster; benchmarks/RESULTS.md). VAR's later scales, past one
+  block over a KV cache, keep cuDNN (not measured on the kernel). Differentiated, the call keeps
+  `backend`'s forward and backward: on the kernel with XLA's backward E-CAR-B's train step was
+  2.3 % slower."""
   def run(q, k, v, mask: Mask, scale: float, kv_len: Optional[int], packed: Optional[jax.Array] = None):
     import pallas_kernels as pk
     dense = lambda q, k, v: backend(q, k, v, mask, scale, kv_len)
     one_block = max(q.shape[1], k.shape[1] if kv_len is None else kv_len) <= pk.FEW_TOKENS
-    if not (_cudnn_takes(q) and mask is None and one_block and _few_token_call(q, k, v, mask, kv_len)):
+    if not (_cudnn_takes(q) and (one_block or kv_len is None) and _few_token_call(q, k, v, mask, kv_len)):
       return dense(q, k, v)
-    fast = lambda *operands: pk.few_token_attention(*operands, scale=scale, kv_len=kv_len)
+    key_mask = _key_mask(q, k, mask)
+    fast = lambda *operands: pk.few_token_attention(*operands, scale=scale, kv_len=kv_len, key_mask=key_mask)
     differentiable = dense if packed is None else lambda qkv: dense(*_unpacked(qkv))
     return _undifferentiated(fast, differentiable)(*_few_token_operands(q, k, v, packed))
   return run
