@@ -48,7 +48,7 @@ MAX_BYTES = 96 * 1024
 # Programs a grid past one block should hold, about half an A100's (108 SMs) or H100's (132) SMs:
 # at MAR-H's shapes on an H200, 71 queries over 320 keys in 16 heads take 8.1 us a call in blocks
 # of 16 (80 programs) against 13.1 in blocks of 64 (32), and 320 queries 10.4 us in blocks of 64
-# (80) against 13.0 in blocks of 32 (benchmarks/RESULTS.md, "The few-token kernel's tiling").
+# (80) against 13.0 in blocks of 32 (benchmarks/RESULTS.md, "Issue 39: the few-token kernel's query blocks").
 MIN_PROGRAMS = 64
 
 
