@@ -182,6 +182,26 @@ def host_events_under(host, gaps, longest_us: float) -> collections.Counter:
   return under
 
 
+def overlapping_kernels(events) -> tuple[float, dict]:
+  """`trace_events(...)['device']` -> (us when two or more kernels ran at once, {(kernel, kernel):
+  us they overlapped}) over the 'Stream' lines (`_stream_gaps`): where a program's kernels ran
+  concurrently, on streams of their own or as parallel nodes of one CUDA graph."""
+  kernels = sorted((ts, ts + d, _op_name(n)) for line, n, ts, d in events if 'Stream' in line)
+  pairs, active, multi, last = collections.Counter(), [], 0.0, None
+  for start, stop, name in kernels:
+    active = [(e, n) for e, n in active if e > start]
+    for end, other in active:
+      pairs[tuple(sorted((other, name)))] += min(end, stop) - start
+    active.append((stop, name))
+  points = sorted([(a, 1) for a, _, _ in kernels] + [(b, -1) for _, b, _ in kernels])
+  depth = 0
+  for t, step in points:
+    if depth >= 2:
+      multi += t - last
+    depth, last = depth + step, t
+  return multi, dict(pairs)
+
+
 def device_gap_summary(events: dict, top: int = 8) -> str:
   """How long the GPU sat idle inside the traced call (`trace_events`), and the host events most
   often under its 200 longest gaps (what the GPU waited for: a conditional's read-back, a loop's
@@ -194,8 +214,13 @@ def device_gap_summary(events: dict, top: int = 8) -> str:
   around = lambda lo, hi: ', '.join(
       f'{a[:28]} > {b[:28]} x{n} {us / 1e3:.2f} ms' for (a, b), (n, us) in
       sorted(gaps_by_neighbours(events['device'], lo, hi).items(), key=lambda kv: -kv[1][1])[:4])
-  return (f'  device idle {idle / 1e3:.2f} ms of a {span / 1e3:.2f} ms span ({len(gaps)} gaps >= 5 us); host events '
-          f'under the {len(longest)} longest: {under.most_common(top)}\n'
+  every_gap = sum(b - a for a, b, _, _ in _stream_gaps(events['device'])[1])
+  multi, pairs = overlapping_kernels(events['device'])
+  overlaps = ', '.join(f'{a[:28]} | {b[:28]} {us / 1e3:.2f} ms' for (a, b), us in
+                       sorted(pairs.items(), key=lambda kv: -kv[1])[:top])
+  return (f'  device idle {idle / 1e3:.2f} ms of a {span / 1e3:.2f} ms span ({len(gaps)} gaps >= 5 us; all gaps '
+          f'{every_gap / 1e3:.2f} ms); host events under the {len(longest)} longest: {under.most_common(top)}\n'
+          f'  two or more kernels at once {multi / 1e3:.2f} ms; the pairs overlapping longest: {overlaps}\n'
           f'  gaps of 2-20 us, by the kernels before > after them: {around(2.0, 20.0)}\n'
           f'  gaps of >= 20 us, by the kernels before > after them: {around(20.0, float("inf"))}')
 

@@ -18,7 +18,8 @@ from test_mar_sampler import MAR_CFG, VAE_CFG
 
 sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / 'benchmarks'))
 import floors   # noqa: E402  pylint: disable=wrong-import-position
-from timing import device_gaps, gaps_by_neighbours, host_events_under, settings, xla_variants   # noqa: E402  pylint: disable=wrong-import-position
+from timing import (  # noqa: E402  pylint: disable=wrong-import-position
+    device_gaps, gaps_by_neighbours, host_events_under, overlapping_kernels, settings, xla_variants)
 from hlo_loops import loops   # noqa: E402  pylint: disable=wrong-import-position
 from compile_passes import programs, summarise   # noqa: E402  pylint: disable=wrong-import-position
 from mar_host_loop import MARKER, graph_updates   # noqa: E402  pylint: disable=wrong-import-position
@@ -71,6 +72,15 @@ def test_gaps_by_neighbours_name_each_gap_by_the_kernel_that_ended_last_and_the_
   assert gaps_by_neighbours(events, 2.0, 20.0) == {('memset', 'sdpa'): (2, 8.0), ('sdpa', 'memset'): (1, 3.0)}
   assert gaps_by_neighbours(events, 20.0) == {('sdpa', 'k'): (1, 27.0)}
   assert gaps_by_neighbours([], 0.0) == {}
+
+
+def test_overlapping_kernels_sum_the_time_two_run_at_once_and_name_each_pair():
+  events = [('Stream #1', 'a', 0.0, 10.0), ('Stream #2', 'b', 4.0, 10.0), ('Stream #2', 'c__2', 6.0, 2.0),
+            ('Stream #1', 'd', 20.0, 5.0), ('XLA Ops', 'conditional', 0.0, 25.0)]   # not a stream
+  multi, pairs = overlapping_kernels(events)
+  assert multi == 6.0   # 4..10: a with b (and c)
+  assert pairs == {('a', 'b'): 6.0, ('a', 'c'): 2.0, ('b', 'c'): 2.0}
+  assert overlapping_kernels([]) == (0.0, {})
 
 
 def test_host_events_under_gaps_count_each_overlapped_gap_and_skip_long_spans():
