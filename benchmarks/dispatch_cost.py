@@ -7,7 +7,7 @@ the measure of a host loop's edges (`var_models.mar.host_loop`), by the leaves i
 A step is x <- x + tanh(x @ w) (x [rows, width], w [width, width], bf16). A program runs `steps`
 of them and passes `leaves` more arrays [rows, width] through untouched; every argument but w is
 donated, so each output is written in its input's place, as the host loop's parts do. Timed, each
-after a warm-up, medians of --iters:
+after a warm-up, medians of --iters (`timing.step_times`, each call waited for):
   - host loop: `calls` calls of the program from the host, the carry handed from one to the next;
   - one program: a `fori_loop` of `calls` iterations of the same body, the leaves in its carry.
 The difference per call is what one launch and its arguments cost beyond the work itself.
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+
+from timing import step_times
 
 
 def body(steps: int, w, x, leaves):
@@ -28,17 +28,6 @@ def body(steps: int, w, x, leaves):
   for _ in range(steps):
     x = x + jnp.tanh(x @ w)
   return x, leaves
-
-
-def seconds(run, iters: int) -> float:
-  """Median seconds of run() (which blocks until its outputs are ready) over `iters` calls after one."""
-  run()
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    run()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def measure(rows: int, width: int, steps: int, leaves: int, calls: int, iters: int) -> dict:
@@ -53,18 +42,16 @@ def measure(rows: int, width: int, steps: int, leaves: int, calls: int, iters: i
     x, rest = fresh()
     for _ in range(calls):
       x, rest = part(w, x, rest)
-    jax.block_until_ready((x, rest))
+    return x, rest
 
   @functools.partial(jax.jit, donate_argnums=(1, 2))
   def looped(w, x, rest):
     return jax.lax.fori_loop(0, calls, lambda _, c: body(steps, w, *c), (x, rest))
 
-  def one_program():
-    jax.block_until_ready(looped(w, *fresh()))
-
-  setup = seconds(lambda: jax.block_until_ready(fresh()), iters)
-  return {name: 1e6 * (seconds(run, iters) - setup) / calls
-          for name, run in (('host loop', host_loop), ('one program', one_program))}
+  ms = lambda run: step_times(run, 1, iters)[0]['synced']
+  setup = ms(fresh)
+  return {name: 1e3 * (ms(run) - setup) / calls
+          for name, run in (('host loop', host_loop), ('one program', lambda: looped(w, *fresh())))}
 
 
 def main():
