@@ -171,8 +171,8 @@ def test_pallas_backend_runs_it_unmasked_or_under_a_key_mask():
 
 def test_cudnn_backend_runs_the_kernel_only_where_the_call_is_not_differentiated():
   """The `cudnn` backend's wrapper, around the xla backend (cuDNN needs a GPU): a sampler's
-  unmasked or key-masked call of one block, or of MAR's 320 tokens without a KV cache, lowers to
-  the kernel; a differentiated one, a scale-causal one or one past one block over a KV cache
+  unmasked or key-masked call of one block, or of MAR's 320 tokens without a KV cache at batch 1,
+  lowers to the kernel (at batch 16, cuDNN's call); a differentiated one, a scale-causal one or one past one block over a KV cache
   (VAR's later scales) keeps the wrapped backend."""
   routed = attention_lib._few_tokens_on_the_kernel(attention_lib._BACKENDS['xla'])
   dense = attention_lib._BACKENDS['xla']
@@ -188,8 +188,13 @@ def test_cudnn_backend_runs_the_kernel_only_where_the_call_is_not_differentiated
     levels = np.arange(16) // 4
     assert 'few_token_attention' not in text(lambda q, k, v: routed(q, k, v, ScaleCausal(levels, levels), 0.3, None))
     assert 'few_token_attention' in text(lambda q, k, v: routed(q, k, v, keys, 0.3, None))
-    long = jax.ShapeDtypeStruct((2, 320, 2, 80), jnp.bfloat16)   # MAR's 320 tokens
+    long = jax.ShapeDtypeStruct((2, 320, 2, 80), jnp.bfloat16)   # MAR's 320 tokens at batch 1
     assert 'few_token_attention' in text(lambda q, k, v: routed(q, k, v, None, 0.3, None), long, long, long)
+    rows = attention_lib.FEW_TOKEN_MAX_QUERIES // 320 + 1   # past it (MAR at batch 16): cuDNN's call
+    many = jax.ShapeDtypeStruct((rows, 320, 2, 80), jnp.bfloat16)
+    assert 'few_token_attention' not in text(lambda q, k, v: routed(q, k, v, None, 0.3, None), many, many, many)
+    assert 'few_token_attention' in text(lambda q, k, v: routed(q, k, v, None, 0.3, None),
+                                         *[jax.ShapeDtypeStruct((rows, 64, 2, 64), jnp.bfloat16)] * 3)
     few, cache = jax.ShapeDtypeStruct((2, 64, 2, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2, 200, 2, 64), jnp.bfloat16)
     assert 'few_token_attention' not in text(lambda q, k, v: routed(q, k, v, None, 0.3, 155), few, cache, cache)
   masked = jax.jit(lambda q, k, v, m: routed(q, k, v, TokenMask(m), 0.3, None))

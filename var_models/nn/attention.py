@@ -184,22 +184,30 @@ def _undifferentiated(fast: Callable, differentiable: Callable) -> Callable:
   return run
 
 
+# Queries of a call (B x Lq) up to which the `cudnn` backend runs `few_token_attention` on a call
+# past one block without a KV cache: at MAR-H's batch 1 (1-2 x 71-320 queries over 320 keys) the
+# kernel takes 0.6-0.8x cuDNN's time, at batch 16 (16-32 x 71-320) up to 1.9x, and LazyMAR's sampler
+# there ran 1.4 % slower on it (benchmarks/RESULTS.md, "the few-token kernel at batch 16").
+FEW_TOKEN_MAX_QUERIES = 1024
+
+
 def _few_tokens_on_the_kernel(backend: Backend) -> Backend:
   """`backend`, except that a call `few_token_attention` takes (unmasked or under a key mask, at
   most its MAX_TOKENS queries and keys), in a dtype and head dim cuDNN takes, that is not
   differentiated (a sampler's) and either is one block of the kernel (at most `FEW_TOKENS`
-  queries and keys, of a kv_len's) or reads no KV cache runs the kernel, where cuDNN's call adds a
-  memset and ~5 us of launch gaps: E-CAR's denoisers over a stage's tokens (E-CAR-L samples 14 %
-  faster), VAR's first scales over their KV cache, MAR's encoder and decoder over 320 tokens
-  (MAR-H's LazyMAR sampler 1.5 % faster; benchmarks/RESULTS.md). VAR's later scales, past one
-  block over a KV cache, keep cuDNN (not measured on the kernel). Differentiated, the call keeps
-  `backend`'s forward and backward: on the kernel with XLA's backward E-CAR-B's train step was
-  2.3 % slower."""
+  queries and keys, of a kv_len's) or reads no KV cache and holds at most `FEW_TOKEN_MAX_QUERIES`
+  queries runs the kernel, where cuDNN's call adds a memset and ~5 us of launch gaps: E-CAR's
+  denoisers over a stage's tokens (E-CAR-L samples 14 % faster), VAR's first scales over their KV
+  cache, MAR's encoder and decoder over 320 tokens at batch 1 (MAR-H's LazyMAR sampler 1.5 % faster;
+  benchmarks/RESULTS.md). VAR's later scales, past one block over a KV cache, keep cuDNN (not
+  measured on the kernel). Differentiated, the call keeps `backend`'s forward and backward: on the
+  kernel with XLA's backward E-CAR-B's train step was 2.3 % slower."""
   def run(q, k, v, mask: Mask, scale: float, kv_len: Optional[int], packed: Optional[jax.Array] = None):
     import pallas_kernels as pk
     dense = lambda q, k, v: backend(q, k, v, mask, scale, kv_len)
     one_block = max(q.shape[1], k.shape[1] if kv_len is None else kv_len) <= pk.FEW_TOKENS
-    if not (_cudnn_takes(q) and (one_block or kv_len is None) and _few_token_call(q, k, v, mask, kv_len)):
+    few_queries = kv_len is None and q.shape[0] * q.shape[1] <= FEW_TOKEN_MAX_QUERIES
+    if not (_cudnn_takes(q) and (one_block or few_queries) and _few_token_call(q, k, v, mask, kv_len)):
       return dense(q, k, v)
     key_mask = _key_mask(q, k, mask)
     fast = lambda *operands: pk.few_token_attention(*operands, scale=scale, kv_len=kv_len, key_mask=key_mask)
