@@ -172,8 +172,8 @@ def test_pallas_backend_runs_it_unmasked_or_under_a_key_mask():
 def test_cudnn_backend_runs_the_kernel_only_where_the_call_is_not_differentiated():
   """The `cudnn` backend's wrapper, around the xla backend (cuDNN needs a GPU): a sampler's
   unmasked or key-masked call of one block, or of MAR's 320 tokens without a KV cache at batch 1,
-  lowers to the kernel (at batch 16, cuDNN's call); a differentiated one, a scale-causal one or one past one block over a KV cache
-  (VAR's later scales) keeps the wrapped backend."""
+  lowers to the kernel (at batch 16, cuDNN's call); a differentiated one, a scale-causal one or
+  one past one block over a KV cache (VAR's later scales) keeps the wrapped backend."""
   routed = attention_lib._few_tokens_on_the_kernel(attention_lib._BACKENDS['xla'])
   dense = attention_lib._BACKENDS['xla']
   q, k, v = _qkv(5, 16, 16, h=2, dtype=jnp.bfloat16)

@@ -186,7 +186,7 @@ def _undifferentiated(fast: Callable, differentiable: Callable) -> Callable:
 
 # Queries of a call (B x Lq) up to which the `cudnn` backend runs `few_token_attention` on a call
 # past one block without a KV cache: at MAR-H's batch 1 (1-2 x 71-320 queries over 320 keys) the
-# kernel takes 0.6-0.8x cuDNN's time, at batch 16 (16-32 x 71-320) up to 1.9x, and LazyMAR's sampler
+# kernel takes 0.6-0.9x cuDNN's time, at batch 16 (16-32 x 71-320) up to 1.9x, and LazyMAR's sampler
 # there ran 1.4 % slower on it (benchmarks/RESULTS.md, "the few-token kernel at batch 16").
 FEW_TOKEN_MAX_QUERIES = 1024
 
