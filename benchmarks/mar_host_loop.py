@@ -13,8 +13,7 @@ fusions they share with it (what a second sampler in a process gets; `accelerato
 each cold). `--attn cudnn,xla` builds both for each attention backend, every time printed over the
 fastest one program's. Rounds alternate them all (--iters calls each after --warmup, the median),
 so drift in the GPU's clock falls on each. The host-time line splits one host-loop call into the
-seconds the host spent inside the trunks' and the heads' calls and the wait for the device after
-the last.
+milliseconds the host spent inside the runs' calls and the wait for the device after the last.
 
 --profile DIR traces one call of each under DIR and prints its device time by kernel and the host
 events under the device's longest idle gaps (`timing.print_top_device_ops`; while the profiler
@@ -47,18 +46,15 @@ MARKER = 'mar_host_loop: timed calls start'
 
 def host_split(loop, args) -> dict:
   """Milliseconds of one call of a compiled `HostLoop` on `args`: all of it, the host's time inside
-  its trunks' and heads' calls, and the wait for the device after the decoder's call."""
+  its runs' calls, and the wait for the device after the decoder's call."""
   t0 = time.perf_counter()
   cast, ctx, carry = loop.begin(*args)
   weights, head = loop.weights(args[0], cast)
   inside = collections.Counter()
-  for t, h in zip(loop.trunk_ids, loop.head_ids):
+  for r in loop.order:
     s = time.perf_counter()
-    carry, _ = loop.trunks[t](weights, ctx, carry)
-    inside['trunks'] += time.perf_counter() - s
-    s = time.perf_counter()
-    carry, _ = loop.heads[h](head, ctx, carry)
-    inside['heads'] += time.perf_counter() - s
+    carry, _ = loop.runs[r](weights, head, ctx, carry)
+    inside['runs'] += time.perf_counter() - s
   out = loop.finish(args[0], carry['tokens'])
   s = time.perf_counter()
   jax.block_until_ready(out)

@@ -29,7 +29,7 @@ ENCODER_SIZES = flags.DEFINE_integer('encoder_sizes', None, "MAR: the encoder's 
                                      'positions padded into at most this many (0: every position, one length)')
 
 HOST_LOOP = flags.DEFINE_bool('host_loop', None, "MAR: the iterations driven from the host, each distinct "
-                              'iteration part compiled as a program of its own, side by side')
+                              'run of alike iterations compiled as a program of its own, side by side')
 
 _FAMILY_FLAGS = {'var': (TOP_K, TOP_P, SCAN),
                  'mar': (NUM_ITER, TEMP, SCHEDULE, STEPS, SCAN, ENCODER_SIZES, HOST_LOOP),

@@ -1,5 +1,8 @@
-"""MAR's sampler driven from the host (`host_loop=True`): each distinct iteration part a program of
-its own, sampling what the one-program sampler samples, decisions included."""
+"""MAR's sampler driven from the host (`host_loop=True`): each distinct run of alike iterations a
+program of its own, sampling what the one-program sampler samples, decisions included."""
+import itertools
+import math
+
 import jax
 import ml_collections
 import numpy as np
@@ -60,20 +63,31 @@ def test_host_loop_takes_the_teacher_forced_tokens_and_given_draws(params):
   np.testing.assert_array_equal(*out)
 
 
-def test_host_loop_lowers_one_program_per_distinct_trunk_and_head(params):
+def test_host_loop_lowers_one_program_per_distinct_iteration_body_called_along_the_schedule(params):
+  """Each distinct (plan, encoder length, head cache) is one program scanning the gcd of its runs'
+  lengths; its calls in `order` follow the schedule iteration by iteration."""
   sample = make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, policy=LazyMAR(**TINY), host_loop=True)
   lowered = sample.lower(params, jax.random.key(3), LABELS, cfg=3.0)
   assert isinstance(lowered, HostLoop)
   program = sample.program(len(LABELS))
-  per_iter = list(zip(program.plans, program.encoder_lengths))
-  assert len(lowered.trunks) == len(set(per_iter)) > 1 and len(lowered.heads) == len(set(program.head_caches))
-  assert [(program.trunks[t][0], *program.trunks[t][1]) for t in lowered.trunk_ids] == per_iter
-  assert [program.heads[h] for h in lowered.head_ids] == list(program.head_caches)
+  per_iter = list(zip(program.plans, program.encoder_lengths, program.head_caches))
+  bodies = list(dict.fromkeys(per_iter))
+  assert len(lowered.runs) == len(lowered.lengths) == len(bodies) > 1
+  called = [bodies[r] for r in lowered.order for _ in range(lowered.lengths[r])]
+  assert called == per_iter
+  runs = [(body, len(list(group))) for body, group in itertools.groupby(per_iter)]
+  assert list(lowered.lengths) == [math.gcd(*(n for b, n in runs if b == body)) for body in bodies]
 
 
-def test_host_loop_parts_write_the_carry_in_its_own_buffers(params):
-  """Every part writes each carry leaf (the policy's state, the iteration's conditions) where it
-  read it, so the addresses XLA recorded in its CUDA graphs stay valid from call to call."""
+def test_host_loop_calls_a_run_of_alike_iterations_as_one_scan(params):
+  sample = make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, encoder_sizes=2, host_loop=True)
+  lowered = sample.lower(params, jax.random.key(3), LABELS, cfg=3.0)
+  assert len(lowered.order) == len(lowered.runs) == 2 and sum(lowered.lengths) == NUM_ITER
+
+
+def test_host_loop_runs_write_the_carry_in_its_own_buffers(params):
+  """Every run writes each carry leaf (the tokens, the policy's state) where it read it, so the
+  addresses XLA recorded in its CUDA graphs stay valid from call to call."""
   sample = make_mar_sampler(CFG, VAE_CFG, num_iter=NUM_ITER, policy=LazyMAR(**TINY), host_loop=True)
   args = sample.arguments(params, jax.random.key(3), LABELS, cfg=3.0)
   loop = sample.lower(*args[:3], cfg=3.0).compile()
@@ -82,12 +96,10 @@ def test_host_loop_parts_write_the_carry_in_its_own_buffers(params):
   pointers = lambda tree: {jax.tree_util.keystr(p): a.unsafe_buffer_pointer()
                            for p, a in jax.tree_util.tree_leaves_with_path(tree)}
   start = pointers(carry)
-  assert {"['z']", "['idx']", "['state']['encoded']"} <= set(start)
-  for t, h in zip(loop.trunk_ids, loop.head_ids):
-    carry, _ = loop.trunks[t](weights, ctx, carry)
-    assert pointers(carry) == start
-    carry, sampled = loop.heads[h](head, ctx, carry)
-    assert pointers(carry) == start and sampled is None
+  assert {"['tokens']", "['state']['encoded']"} <= set(start)
+  for r in loop.order:
+    carry, record = loop.runs[r](weights, head, ctx, carry)
+    assert pointers(carry) == start and record is None
 
 
 def test_the_config_and_its_override_choose_the_host_loop():

@@ -46,14 +46,17 @@ compiled once, however often the schedule alternates between them; inside it, to
 the encoder's length), then to its head cache's sampling loop (each distinct cache
 compiled once). The weights are cast to the compute dtype, stacked for the scanned
 blocks and merged for the head's adaLN once per call, outside the loop. With
-host_loop=True the same parts are programs of their own, a model part per plan and
-encoder length, called in turn from the host (`var_models.mar.host_loop`).
+host_loop=True the consecutive iterations of one model part (a plan at one encoder length) and
+one head cache run as a scan of their own, called in turn from the host (`var_models.mar.host_loop`):
+no conditional, and a program per distinct part and head cache.
 """
 from __future__ import annotations
 
 import collections
 import copy
 import functools
+import itertools
+import math
 from typing import Optional
 
 import jax
@@ -370,37 +373,33 @@ class _MARSampler:
     return jnp.clip((images + 1) * 0.5, 0, 1), {'tokens': tokens}
 
   def _lower_parts(self, args: tuple, static: dict) -> 'HostLoop':
-    """The call's parts lowered apart (`HostLoop`): its start, each distinct trunk and head cache,
-    the decoder; args and static as `_checked` gives them. The carry between them also holds the
-    iteration's conditions 'z' and positions 'idx', and every part donates its carry and keeps its
-    unused leaves as arguments, so each output of a part is written in its input's place (the
-    sampled tokens are returned only to be recorded): the buffers a part reads stay where they
-    were, and XLA replays its recorded CUDA graphs without updating them."""
+    """The call's parts lowered apart (`HostLoop`): its start, a run program for each distinct body
+    (an iteration's trunk and head cache) as a scan over the gcd of the lengths of that body's runs
+    of consecutive iterations (each run is then a few calls of it), the decoder; args and static as
+    `_checked` gives them. Every run donates its carry and keeps its unused leaves as arguments, so
+    each output is written in its input's place: the buffers a run reads stay where they were, and
+    XLA replays its recorded CUDA graphs without updating them."""
     prog = self.program(args[2].shape[0])
     cast, ctx, carry = jax.eval_shape(functools.partial(prog._begin, **static), *args)
     weights, head = prog._weights(args[0], cast)
-    z, idx, _, _ = jax.eval_shape(lambda w, c, k: prog._trunk(*prog._views(w), prog.trunks[0], c, k), weights, ctx,
-                                  carry)
+    runs = [(body, len(list(group))) for body, group in itertools.groupby(zip(prog.trunk_ids, prog.head_ids))]
+    bodies = list(dict.fromkeys(body for body, _ in runs))
+    lengths = tuple(math.gcd(*(n for b, n in runs if b == body)) for body in bodies)
+    order = tuple(bodies.index(b) for b, n in runs for _ in range(n // lengths[bodies.index(b)]))
 
-    def begin(*args):
-      cast, ctx, carry = prog._begin(*args, **static)
-      return cast, ctx, {**carry, 'z': jnp.zeros(z.shape, z.dtype), 'idx': jnp.zeros(idx.shape, idx.dtype)}
+    def run_part(r, weights, head, ctx, carry):
+      (t, h), mar_views = bodies[r], prog._views(weights)
 
-    def trunk_part(t, weights, ctx, carry):
-      z, idx, carry, record = prog._trunk(*prog._views(weights), t, ctx, carry)
-      return {**carry, 'z': z, 'idx': idx}, prog._record(idx, None, record)
+      def body(carry, _):
+        z, idx, carry, record = prog._trunk(*mar_views, prog.trunks[t], ctx, carry)
+        carry, new = prog._head(h, head, ctx, carry, z, idx)
+        return carry, prog._record(idx, new, record)
+      return jax.lax.scan(body, carry, length=lengths[r])
 
-    def head_part(h, head, ctx, carry):
-      carry, sampled = prog._head(h, head, ctx, carry, carry['z'], carry['idx'])
-      return carry, sampled if prog.record else None
-
-    part = functools.partial(jax.jit, donate_argnums=2, keep_unused=True)
-    carry = {**carry, 'z': z, 'idx': idx}
-    return HostLoop(jax.jit(begin).lower(*args),
-                    [part(functools.partial(trunk_part, t)).lower(weights, ctx, carry) for t in prog.trunks],
-                    [part(functools.partial(head_part, h)).lower(head, ctx, carry) for h in range(len(prog.heads))],
-                    jax.jit(prog._finish).lower(args[0], carry['tokens']), prog._weights, prog.trunk_ids,
-                    prog.head_ids)
+    part = functools.partial(jax.jit, donate_argnums=3, keep_unused=True)
+    return HostLoop(jax.jit(functools.partial(prog._begin, **static)).lower(*args),
+                    [part(functools.partial(run_part, r)).lower(weights, head, ctx, carry) for r in range(len(bodies))],
+                    jax.jit(prog._finish).lower(args[0], carry['tokens']), prog._weights, order, lengths)
 
   def _guide(self, plan: IterPlan, x: Array, state):
     """Both CFG halves [2B, buffer + N, Cd] of the decoder blocks' output x ([2B, ...] when the plan
@@ -458,7 +457,8 @@ def make_mar_sampler(mar_cfg: MARConfig, vae_cfg: AutoencoderKLConfig, *, num_it
   `lax.scan` each (`MAR.run_encoder`): the program holds a block per run, not per block;
   `encoder_sizes`: the encoder's lengths compiled (the known positions padded into at most this
   many; None: every position at one length, see the module docstring); `host_loop`: the
-  iterations driven from the host, each distinct trunk and head cache a program of its own,
-  compiled side by side (`HostLoop`), instead of one program whose scan switches between them."""
+  iterations driven from the host, each distinct iteration body a program (a scan over
+  consecutive alike iterations) of its own, compiled side by side (`HostLoop`), instead of one
+  program whose scan switches between them."""
   return _MARSampler(mar_cfg, vae_cfg, num_iter, guided, num_diffusion_steps, policy or BASELINE, record,
                      scan_blocks, encoder_sizes, host_loop)
