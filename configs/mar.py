@@ -41,8 +41,8 @@ def _released(variant: str) -> ml_collections.ConfigDict:
   # the encoder's and decoder's runs of alike blocks as one lax.scan each (compiles once per run);
   # encoder_sizes: the encoder runs on the known positions, padded into at most this many lengths
   # (each compiled once; 0: on every position, one length, see var_models/mar/sampler.py); host_loop:
-  # the iterations driven from the host, each distinct run of alike iterations a program of its own,
-  # compiled side by side (var_models/mar/host_loop.py).
+  # the iterations driven from the host, a program per distinct iteration body that scans consecutive
+  # alike iterations, compiled side by side (var_models/mar/host_loop.py).
   c.sample = ml_collections.ConfigDict(dict(
       num_iter=64, cfg=cfg, cfg_schedule='linear', temperature=1.0, num_diffusion_steps=100,
       seed=0, batch_size=16, scan_blocks=False, encoder_sizes=4, host_loop=False))

@@ -28,8 +28,8 @@ EULER = flags.DEFINE_integer('num_steps', None, 'E-CAR: Euler steps in all, spli
 ENCODER_SIZES = flags.DEFINE_integer('encoder_sizes', None, "MAR: the encoder's lengths compiled, the known "
                                      'positions padded into at most this many (0: every position, one length)')
 
-HOST_LOOP = flags.DEFINE_bool('host_loop', None, "MAR: the iterations driven from the host, each distinct "
-                              'run of alike iterations compiled as a program of its own, side by side')
+HOST_LOOP = flags.DEFINE_bool('host_loop', None, "MAR: the iterations driven from the host, a program per "
+                              'distinct iteration body scanning consecutive alike iterations, compiled side by side')
 
 _FAMILY_FLAGS = {'var': (TOP_K, TOP_P, SCAN),
                  'mar': (NUM_ITER, TEMP, SCHEDULE, STEPS, SCAN, ENCODER_SIZES, HOST_LOOP),

@@ -1,5 +1,5 @@
-"""MAR's sampler driven from the host (`host_loop=True`): each distinct run of alike iterations a
-program of its own, sampling what the one-program sampler samples, decisions included."""
+"""MAR's sampler driven from the host (`host_loop=True`): a program per distinct iteration body that
+scans consecutive alike iterations, sampling what the one-program sampler samples, decisions included."""
 import itertools
 import math
 

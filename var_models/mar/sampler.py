@@ -385,7 +385,8 @@ class _MARSampler:
     runs = [(body, len(list(group))) for body, group in itertools.groupby(zip(prog.trunk_ids, prog.head_ids))]
     bodies = list(dict.fromkeys(body for body, _ in runs))
     lengths = tuple(math.gcd(*(n for b, n in runs if b == body)) for body in bodies)
-    order = tuple(bodies.index(b) for b, n in runs for _ in range(n // lengths[bodies.index(b)]))
+    index = {body: i for i, body in enumerate(bodies)}
+    order = tuple(index[b] for b, n in runs for _ in range(n // lengths[index[b]]))
 
     def run_part(r, weights, head, ctx, carry):
       (t, h), mar_views = bodies[r], prog._views(weights)
