@@ -106,34 +106,3 @@ def dense_column_sums(q, k, v, kv_len: int, scale: float, group: int):
 def top_k_indices(x, k: int):
   """x [..., N] -> [..., k] int32: lax.top_k's indices (ties to the lower index), sorted."""
   return jnp.sort(lax.top_k(x, k)[1], axis=-1).astype(jnp.int32)
-
-
-def diffloss_blocks(x, mods, w1, b1, w2, b2, ln_scale, ln_bias, eps: float = 1e-6):
-  """MAR's DiffLoss res blocks: for each block i of D, x + gate * (SiLU((LN(x) * (1 + scale)) @
-  w1[i] + b1[i] + shift_w) @ w2[i] + b2[i]), (shift_w, scale, gate) the i-th [R, 3C] of mods, as
-  the head's merged adaLN output gives them (shift_w: the shift through w1[i]). x [R, C], mods
-  [R, >= 3 D C], w1, w2 [D, C, C], b1, b2, ln_scale, ln_bias [D, C] -> [R, C] in x's dtype."""
-  dt = jnp.promote_types(x.dtype, jnp.float32)
-  h = x.astype(dt)
-  c = h.shape[-1]
-  for i in range(w1.shape[0]):
-    shift_w, scale, gate = jnp.split(mods[:, 3 * i * c:3 * (i + 1) * c].astype(dt), 3, axis=-1)
-    mean = h.mean(-1, keepdims=True)
-    var = ((h - mean) ** 2).mean(-1, keepdims=True)
-    y = (h - mean) * lax.rsqrt(var + eps) * ln_scale[i] + ln_bias[i]
-    y = jax.nn.silu((y * (1 + scale)) @ w1[i].astype(dt) + b1[i] + shift_w) @ w2[i].astype(dt) + b2[i]
-    h = h + gate * y
-  return h.astype(x.dtype)
-
-
-def diffloss_blocks_inputs(rows: int, width: int, depth: int, seed: int = 0, weights=jnp.bfloat16):
-  """Random arguments of `diffloss_blocks` at DiffLoss's scales (unit rows, adaLN outputs of 0.3,
-  Dense kernels of 1 / sqrt(width) in `weights`), for the kernel's tests and benchmark: x [R, C],
-  mods [R, 3 D C + 2 C] (the merged adaLN output with the final layer's columns), w1, b1, w2, b2,
-  ln_scale, ln_bias."""
-  ks = jax.random.split(jax.random.key(seed), 8)
-  normal = lambda k, shape, scale: jax.random.normal(k, shape, jnp.float32) * scale
-  kernel = lambda k: normal(k, (depth, width, width), width ** -0.5).astype(weights)
-  vector = lambda k: normal(k, (depth, width), 0.1)
-  return (normal(ks[0], (rows, width), 1.0), normal(ks[1], (rows, 3 * depth * width + 2 * width), 0.3),
-          kernel(ks[2]), vector(ks[3]), kernel(ks[4]), vector(ks[5]), 1.0 + vector(ks[6]), vector(ks[7]))
