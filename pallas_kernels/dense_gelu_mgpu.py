@@ -24,6 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mosaic_gpu_api
+
 TILE_M, TILE_N, TILE_K = 128, 128, 64
 EPI = 64          # the epilogue stores [EPI, EPI] sub-tiles through two slots per warpgroup
 STAGES = 4        # operand ring slots: 4 x 48 KiB beside the 32 KiB of output slots
@@ -81,8 +83,8 @@ def _kernel(x_ref, w_ref, b_ref, o_ref, *, m_tiles: int, n_tiles: int, stages: i
         @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_M, TILE_N), jnp.float32))
         def _(acc):
           run(acc)
-          bias = plgpu.load(b_ref.at[pl.ds(n0, TILE_N)], layout=plgpu.Layout.WGMMA.reduce(0),
-                            optimized=False)
+          bias = mosaic_gpu_api.load(b_ref.at[pl.ds(n0, TILE_N)], layout=plgpu.Layout.WGMMA.reduce(0),
+                                     optimized=False)
           y = _gelu(acc[...] + lax.broadcast_in_dim(bias, (TILE_M, TILE_N), [1])).astype(o_ref.dtype)
           for i in range(TILE_M // EPI):
             for j in range(TILE_N // EPI):
@@ -103,22 +105,24 @@ def _kernel(x_ref, w_ref, b_ref, o_ref, *, m_tiles: int, n_tiles: int, stages: i
 
 
 # jit: a model calling this in every layer lowers the kernel once per shape, not once per call.
-@functools.partial(jax.jit, static_argnames=('stages', 'grid_width', 'delay_release'))
+@functools.partial(jax.jit, static_argnames=('stages', 'grid_width', 'delay_release', 'num_sms'))
 def dense_gelu(x: jax.Array, w: jax.Array, b: jax.Array, *, stages: int = STAGES,
-               grid_width: int = GRID_WIDTH, delay_release: int = DELAY_RELEASE) -> jax.Array:
+               grid_width: int = GRID_WIDTH, delay_release: int = DELAY_RELEASE,
+               num_sms: int | None = None) -> jax.Array:
   """gelu_tanh(x @ w + b): x [M, K], w [K, N] (see `unsupported`), b [N] -> [M, N] in x's dtype.
 
-  `stages`, `grid_width`, `delay_release`: see the module constants of those names.
+  `stages`, `grid_width`, `delay_release`: see the module constants of those names; one CTA per SM
+  of `num_sms` (None: the device's).
   """
   reason = unsupported(x, w)
   if reason:
     raise ValueError(reason)
   m, n = x.shape[0], w.shape[1]
-  num_sms = jax.devices()[0].core_count
+  num_sms = num_sms or jax.devices()[0].core_count
   return plgpu.kernel(
       functools.partial(_kernel, m_tiles=m // TILE_M, n_tiles=n // (2 * TILE_N), stages=stages,
                         grid_width=grid_width, delay_release=delay_release),
       out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
       grid=(num_sms,), grid_names=('sm',), num_threads=3, thread_name='wg',
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=mosaic_gpu_api.compiler_params(approx_math=True),
   )(x, w, b.astype(jnp.float32))

@@ -98,7 +98,8 @@ def _call(x, w, b, layer, interpret: bool, block_m: int, block_n: int, block_k: 
               pl.BlockSpec(w.shape, lambda i, j, s: (0, 0, 0))]
   in_specs += [pl.BlockSpec(b.shape, lambda i, j, s: (0, 0))] if len(operands) == 4 else []
   if whole:
-    out_spec, out_shape = pl.BlockSpec((block_m, block_n), lambda i, j, s: (i, j)), jax.ShapeDtypeStruct((m, n), x.dtype)
+    out_spec = pl.BlockSpec((block_m, block_n), lambda i, j, s: (i, j))
+    out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
   else:
     out_spec = pl.BlockSpec((pl.squeezed, block_m, block_n), lambda i, j, s: (s, i, j))
     out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)

@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, mosaic_gpu_api
 
 TILE_K = 64
 EPI = 64          # the epilogue stores [EPI, EPI] sub-tiles through two slots per warpgroup
@@ -134,8 +134,8 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, tiling: Tiling, m: int):
           if splits == 1:
             y = y.astype(o_ref.dtype)
             if b_ref is not None:
-              bias = plgpu.load(b_ref.at[layer, pl.ds(n0, tile_n)], layout=plgpu.Layout.WGMMA.reduce(0),
-                                optimized=False)
+              bias = mosaic_gpu_api.load(b_ref.at[layer, pl.ds(n0, tile_n)],
+                                         layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
               y = (y.astype(jnp.float32) + lax.broadcast_in_dim(bias.astype(jnp.float32), (tile_m, tile_n), [1])
                    ).astype(o_ref.dtype)
           sub_tiles = [(i, j) for i in range(tile_m // EPI) for j in range(tile_n // EPI)]
@@ -171,5 +171,5 @@ def layer_dense(x: jax.Array, w: jax.Array, b, layer, tiling: Tiling, num_sms: i
   return plgpu.kernel(
       functools.partial(_kernel, tiling=tiling, m=m),
       out_type=out_type, grid=(num_sms,), grid_names=('sm',), num_threads=3,
-      thread_name='wg', compiler_params=plgpu.CompilerParams(approx_math=True),
+      thread_name='wg', compiler_params=mosaic_gpu_api.compiler_params(approx_math=True),
   )(*operands)

@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mosaic_gpu_api
 from pallas_kernels.layout import BlockLayout
 
 LOG2E = math.log2(math.e)
@@ -124,7 +125,7 @@ def _call(body, lists, bias, args, *, out_type, grid, grid_names, compute_wgs, s
   return plgpu.kernel(
       entry, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=compute_wgs + 1, thread_name='wg',
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=mosaic_gpu_api.compiler_params(approx_math=True),
   )(*[jnp.asarray(a) for a in lists], bias, *args)
 
 
@@ -138,7 +139,7 @@ def _with_bias(s, bias_ref, mid, wg, col0):
   """s [ROWS, ROWS] plus the 0 / -inf bias of mask-table row `mid`: this warpgroup's rows,
   the step's columns col0 .. col0 + ROWS."""
   tile = bias_ref.at[mid, pl.ds(wg * ROWS, ROWS), pl.ds(col0, ROWS)]
-  return s + plgpu.load(tile, layout=plgpu.Layout.WGMMA, optimized=False)
+  return s + mosaic_gpu_api.load(tile, layout=plgpu.Layout.WGMMA, optimized=False)
 
 
 def _copy_query_rows(srcs, dsts, batch, head, q0, barrier) -> None:
@@ -195,7 +196,7 @@ def _fwd_kernel(order_ref, ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_
       s = s * d.qk_scale
       if masked:
         rows = bias_ref.at[mids_ref[hl, u, t], pl.ds(wg * ROWS, ROWS)]
-        s = s + plgpu.load(rows, layout=plgpu.Layout.WGMMA, optimized=False)
+        s = s + mosaic_gpu_api.load(rows, layout=plgpu.Layout.WGMMA, optimized=False)
       m_new = jnp.maximum(m, s.max(axis=1))
       # A row with no visible key yet keeps m = -inf: exponentiate against 0 then.
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
@@ -318,7 +319,7 @@ def _dkv_kernel(order_ref, ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_
       if masked:
         t, r0 = _sub_step(i, subs)
         s_t = _with_bias(s_t, bias_ref, mids_ref[hl, j, t], wg, r0)
-      lse2 = plgpu.load(lse_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+      lse2 = mosaic_gpu_api.load(lse_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
       p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
 
       def dv_and_dp(refs):  # two matmuls, one wait
@@ -326,7 +327,7 @@ def _dkv_kernel(order_ref, ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_
         plgpu.wgmma(dv_ref, p_t.astype(d.dtype), do_smem)
         plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_smem, (1, 0)))
       dv, dp_t = pl.run_state(dv_and_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(_zeros(s_t.shape))))
-      delta = plgpu.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+      delta = mosaic_gpu_api.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
       ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
 
       def dk_step(acc_ref):
@@ -377,8 +378,8 @@ def _dq_kernel(order_ref, ids_ref, nfull_ref, count_ref, mids_ref, bias_ref, q_r
                      (q_smem, do_smem, lse_smem2.at[wg], delta_smem2.at[wg]), batch, head, q0,
                      q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
-    lse2 = plgpu.load(lse_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-    delta = plgpu.load(delta_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+    lse2 = mosaic_gpu_api.load(lse_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+    delta = mosaic_gpu_api.load(delta_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
     def step(i, dq, masked: bool):
       slot = lax.rem(i, d.stages)

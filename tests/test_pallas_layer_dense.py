@@ -103,16 +103,6 @@ def test_mosaic_tiling_errors_name_the_misfit():
   assert 'shared memory' in layer_dense_mgpu.tiling_error(1280, 1280, layer_dense_mgpu.Tiling(128, 128, 1, 5))
 
 
-@pytest.mark.parametrize('tiling', [layer_dense_mgpu.Tiling(64, 64, 1, 4), layer_dense_mgpu.Tiling(128, 128, 2, 3)])
-def test_mosaic_kernel_lowers_for_cuda_on_the_cpu(tiling):
-  """Mosaic GPU's lowering (shared memory, layouts, barriers) runs without a GPU."""
-  x = jax.ShapeDtypeStruct((184, 256), jnp.bfloat16)
-  w = jax.ShapeDtypeStruct((3, 256, 512), jnp.bfloat16)
-  fn = lambda x, w, i: layer_dense_mgpu.layer_dense(x, w, None, i, tiling, num_sms=8)
-  lowered = jax.jit(fn).trace(x, w, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=('cuda',))
-  assert 'mosaic_gpu' in lowered.as_text()
-
-
 def test_mosaic_impl_names_what_it_does_not_take():
   x, w, b = _inputs(8, 64, 128)
   with pytest.raises(ValueError, match="impl='mosaic'.*bfloat16 or float16"):
